@@ -1,0 +1,356 @@
+"""Pure tensor math of reward-model training and PPO.
+
+Conventions:
+- PPO tensors are (B, T) over the RESPONSE positions only: the caller slices full-sequence tensors with
+  ``x[:, start:]``, ``start = prompt_length - 1``, before calling.
+- ``response_mask`` is (B, T), bool or 0/1 float, True = a real response token. Masked positions may hold any
+  finite garbage: every function selects with ``torch.where`` before any nonlinear op, so garbage reaches neither
+  the outputs nor the gradients (``garbage * 0`` would give nan for inf-producing garbage).
+- Losses are masked means over all real tokens of the batch; stats are detached scalar tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+Dim = int | tuple[int, ...] | None
+
+
+def _clean(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is True, 0 elsewhere (drops garbage before it can reach exp, squares or gradients)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------- masked reductions
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    """Sum of x over positions where mask is True. x, mask: same shape; dim=None sums everything."""
+    x = _clean(x, mask)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    """Mean of x over positions where mask is True; 0 where there are none. x, mask: same shape."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of x over all positions where mask is True (scalar).
+
+    unbiased: Bessel's correction n / (n - 1); with n <= 1 the result is 0 rather than nan.
+    """
+    centered = _clean(x, mask) - masked_mean(x, mask)
+    var = masked_mean(centered**2, mask)
+    if unbiased:
+        n = mask.bool().sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / std over the masked positions (unbiased var, eps 1e-8); 0 on masked-out positions.
+
+    shift_mean=False adds the mean back: only the scale is normalised.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _clean(whitened, mask)
+
+
+def last_true_index(mask: Tensor) -> Tensor:
+    """(B, T) mask -> (B,) long: index of the last True in each row, -1 for a row with none."""
+    idx = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), idx, -1).amax(-1)
+
+
+def first_true_index(mask: Tensor) -> Tensor:
+    """(B, T) mask -> (B,) long: index of the first True in each row, -1 for a row with none."""
+    T = mask.shape[-1]
+    idx = torch.arange(T, device=mask.device).expand_as(mask)
+    first = torch.where(mask.bool(), idx, T).amin(-1)
+    return torch.where(first == T, -1, first)
+
+
+def last_true_value(x: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) x, mask -> (B,): x at each row's last True (e.g. a reward model's score at the end token); 0 if none.
+
+    One helper for steps 2 and 3, so the reward model scores the same position in both.
+    """
+    last = last_true_index(mask)
+    picked = x.gather(-1, last.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(last >= 0, picked, torch.zeros_like(picked))
+
+
+# ---------------------------------------------------------------- logits
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(labels): logits (B, T, V), labels (B, T) valid token ids -> (B, T).
+
+    float32/64: gather - logsumexp, with no (B, T, V) log_softmax copy. Half precision: logsumexp in half
+    loses accuracy, so log_softmax runs in float32 one row at a time; the result is float32.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [
+        F.log_softmax(row.float(), -1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        for row, lab in zip(logits, labels, strict=True)
+    ]
+    return torch.stack(rows)
+
+
+def causal_lm_nll_sum(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Summed next-token negative log-likelihood: logits (B, T, V) predict labels shifted by one;
+    labels (B, T) hold ``ignore_index`` where no loss counts. Summed, not averaged, so the caller
+    can normalise by the token count of the whole global batch."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1),
+        labels[:, 1:].flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: (B, T, V) -> (B, T). H = logsumexp(z) - sum(p * z)."""
+    probs = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+# ---------------------------------------------------------------- PPO
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
+
+    logprobs, ref_logprobs: (B, T) log-probs of the sampled tokens under policy and reference.
+    estimator: "k1" = logp - ref (unbiased, can be < 0); "k2" = 0.5 * (logp - ref)^2;
+    "k3" = exp(ref - logp) - 1 - (ref - logp) (unbiased, >= 0). Returns (B, T); no masking.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown kl estimator {estimator!r}; accepted: {', '.join(KL_ESTIMATORS)}")
+
+
+def compute_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    clip_reward_value: float | None,
+    kl_estimator: str = "k1",
+) -> tuple[Tensor, Tensor]:
+    """DeepSpeed-Chat's reward shaping: a KL penalty on every response token plus the score at the end.
+
+    scores: (B,) reward-model scores, clipped to [-clip_reward_value, clip_reward_value] (None: no clip).
+    logprobs, ref_logprobs, response_mask: (B, T). kl_coef: penalty weight.
+    Returns rewards (B, T) = -kl_coef * kl, with the clipped score added at each row's last real token, and
+    kl (B, T), the per-token estimate; both 0 on masked positions. A row with no response token gets
+    nothing added: its rewards are all 0.
+    """
+    mask = response_mask.bool()
+    kl = _clean(kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), kl_estimator), mask)
+    if clip_reward_value is not None:
+        scores = scores.clamp(-clip_reward_value, clip_reward_value)
+    idx = torch.arange(mask.shape[-1], device=mask.device)
+    is_last = idx == last_true_index(mask).unsqueeze(-1)  # (B, T), all False for an empty row
+    end_reward = torch.where(is_last, scores.unsqueeze(-1).to(kl.dtype), 0.0)
+    return -kl_coef * kl + end_reward, kl
+
+
+def gae(
+    rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation, backwards over T. rewards, values, response_mask: (B, T).
+
+    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, where "next" is the next
+    real token; after a row's last real token V_next = A_next = 0 (terminal). Masked positions are skipped
+    (they contribute nothing). Returns advantages (B, T) and returns = advantages + values, 0 where masked.
+    No whitening: the caller may apply masked_whiten to the advantages.
+    """
+    mask = response_mask.bool()
+    rewards, values = _clean(rewards, mask), _clean(values, mask)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_adv = torch.where(mask[:, t], adv, next_adv)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        advantages.append(adv)
+    advantages = _clean(torch.stack(advantages[::-1], dim=1), mask)
+    return advantages, _clean(advantages + values, mask)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_range: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate: masked mean over real tokens of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)).
+
+    logprobs: (B, T) current policy; old_logprobs, advantages: (B, T) from the rollout; response_mask: (B, T).
+    clip_range: eps. dual_clip: c > 1 (Ye et al. 2020): for A < 0 the token loss is at most c * |A|.
+    Stats: approx_kl = mean of k3 = (r - 1) - log r (KL(old || new), unbiased, >= 0); clipfrac = fraction of
+    real tokens where the eps clip was active; ratio_max, ratio_mean (0 with no real token); with dual_clip,
+    dual_clipfrac.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask = response_mask.bool()
+    adv = _clean(advantages, mask)
+    log_ratio = _clean(logprobs, mask) - _clean(old_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    token_loss = torch.maximum(loss1, loss2)
+    with torch.no_grad():
+        stats = {
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, mask),
+            "clipfrac": masked_mean((loss2 > loss1).float(), mask),
+            "ratio_max": _clean(ratio, mask).max(),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    if dual_clip is not None:
+        loss3 = -adv * dual_clip
+        dual = (adv < 0) & (loss3 < token_loss)
+        token_loss = torch.where(dual, loss3, token_loss)
+        stats["dual_clipfrac"] = masked_mean(dual.float(), mask).detach()
+    return masked_mean(token_loss, mask), stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_range_value: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: masked mean of 0.5 * max((v - R)^2, (clip(v, old - eps, old + eps) - R)^2).
+
+    values: (B, T) current critic; old_values, returns: (B, T) from the rollout; response_mask: (B, T).
+    clip_range_value: eps (None: no clipping). Stats: vf_clipfrac = fraction of real tokens where the clipped
+    term was strictly larger.
+    """
+    mask = response_mask.bool()
+    values, old_values, returns = (_clean(x, mask) for x in (values, old_values, returns))
+    if clip_range_value is None:
+        clipped = values
+    else:
+        clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
+    loss1, loss2 = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss1, loss2), mask)
+    return loss, {"vf_clipfrac": masked_mean((loss2 > loss1).float(), mask).detach()}
+
+
+class FixedKLController:
+    """Constant kl_coef. `.value` is the coefficient; update() does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): value *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value = float(init_kl_coef)
+        self.target, self.horizon = float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """current_kl: the measured KL of the last batch; n_steps: samples (or steps) since the last update."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+# ---------------------------------------------------------------- reward model
+
+
+def pairwise_ranking_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor, margin: float = 0.0
+) -> Tensor:
+    """Bradley-Terry loss: mean(-logsigmoid(chosen - rejected - margin)). Scores: (B,). Returns a scalar."""
+    return -F.logsigmoid(chosen_scores - rejected_scores - margin).mean()
+
+
+def listwise_ranking_loss(scores: Tensor, valid: Tensor) -> Tensor:
+    """InstructGPT's K-wise loss. scores: (B, K), each row ordered best -> worst; valid: (B, K) bool.
+
+    Per prompt: mean over valid pairs i < j of -logsigmoid(s_i - s_j); then mean over prompts that have at
+    least one valid pair (0 if none has). Invalid entries may hold garbage.
+    """
+    valid = valid.bool()
+    scores = _clean(scores, valid)
+    diff = scores.unsqueeze(2) - scores.unsqueeze(1)  # (B, K, K): [b, i, j] = s_i - s_j
+    upper = torch.ones_like(diff, dtype=torch.bool).triu(diagonal=1)
+    pairs = upper & valid.unsqueeze(2) & valid.unsqueeze(1)
+    per_prompt = masked_mean(-F.logsigmoid(diff), pairs, dim=(1, 2))
+    return masked_mean(per_prompt, pairs.any(2).any(1))
+
+
+def mse_reward_loss(scores: Tensor, targets: Tensor) -> Tensor:
+    """Regression onto scalar targets: mean((scores - targets)^2). scores, targets: (B,)."""
+    return F.mse_loss(scores, targets.to(scores.dtype))
+
+
+def divergence_span_loss(
+    chosen_ids: Tensor,
+    rejected_ids: Tensor,
+    chosen_values: Tensor,
+    rejected_values: Tensor,
+    chosen_mask: Tensor,
+    rejected_mask: Tensor,
+) -> Tensor:
+    """DeepSpeed-Chat's token-wise reward loss. All arguments (B, T), right-padded; masks True = real token.
+
+    For each pair the span runs from the first position where the two sequences differ (in token id, or one
+    has ended) to the later of the two ends; the pair's loss is the mean over the span of
+    -logsigmoid(chosen_values - rejected_values); the result is the mean over pairs. Identical sequences:
+    the span is their last real token. Inside the span, the shorter sequence's values past its end are used
+    as given (DeepSpeed-Chat scores those pad positions too); positions outside the span are ignored.
+    Pairs with no real token are left out of the mean. Ends come from the masks, not pad-token equality,
+    since BOS may equal pad.
+    """
+    chosen_mask, rejected_mask = chosen_mask.bool(), rejected_mask.bool()
+    end = torch.maximum(last_true_index(chosen_mask), last_true_index(rejected_mask)) + 1  # (B,)
+    differ = (chosen_ids != rejected_ids) | (chosen_mask != rejected_mask)
+    first = first_true_index(differ & (chosen_mask | rejected_mask))
+    start = torch.where(first >= 0, first, end - 1)
+    idx = torch.arange(chosen_ids.shape[1], device=chosen_ids.device)
+    span = (idx >= start.unsqueeze(-1)) & (idx < end.unsqueeze(-1))  # (B, T)
+    diff = _clean(chosen_values, span) - _clean(rejected_values, span)
+    per_pair = masked_mean(-F.logsigmoid(diff), span, dim=-1)
+    return masked_mean(per_pair, end > 0)

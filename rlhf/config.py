@@ -1,0 +1,333 @@
+"""The configuration schema: every key, its type, default and meaning, and the checks that run
+before any model is built.
+
+YAML files under ``conf/`` hold values only; these dataclasses are registered in Hydra's
+ConfigStore, so an unknown key or a value of the wrong type is refused while composing.
+:func:`validate` then checks the semantics (ranges, divisibility, files that must exist) and
+reports every problem with its full key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+STEPS = ("sft", "reward", "ppo", "all")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+LOGGER_BACKENDS = ("none", "wandb", "tensorboard")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: printed without a traceback, exit status 2."""
+
+
+@dataclass
+class StepConfig:
+    """What runs, and the training loop's cadence."""
+
+    name: str = "all"  # sft | reward | ppo | all
+    eval_interval: int = 0  # optimizer steps between evaluations; 0: at the end of each epoch
+    eval_at_start: bool = True  # evaluate the untrained model first (the 'before' figures)
+    log_interval: int = 10  # optimizer steps between metrics.jsonl / tracker rows
+    max_steps: int = -1  # stop after this many optimizer steps; -1: run all epochs
+    save_model: bool = True  # export <run_dir>/model in save_pretrained format at the end
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.name not in STEPS:
+            out.append(("name", self.name, f"one of {', '.join(STEPS)}"))
+        for key in ("eval_interval", "log_interval"):
+            if getattr(self, key) < 0:
+                out.append((key, getattr(self, key), "an integer >= 0"))
+        if self.log_interval == 0:
+            out.append(("log_interval", 0, "an integer >= 1"))
+        if self.max_steps < -1 or self.max_steps == 0:
+            out.append(("max_steps", self.max_steps, "-1 (no limit) or an integer >= 1"))
+        return out
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM: a hub id or local directory, or (path=null) the embedded tiny model built
+    from ``init`` with a fixed seed and the tokenizer shipped in the package."""
+
+    name: str = "tiny"  # a label for run names and tables
+    path: str | None = None  # hub id or local dir (save_pretrained format); null: build from init
+    init: dict[str, Any] = field(default_factory=dict)  # OPTConfig kwargs for path=null
+    init_seed: int = 0  # seed of the random initialisation for path=null
+    tokenizer: str | None = None  # hub id or dir; null: same as path (or the shipped tokenizer)
+    dropout: float | None = None  # override every dropout probability; null keeps the model's
+    gradient_checkpointing: bool = False
+    dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16
+    end_of_text_token: str | None = None  # appended to every answer; null: the tokenizer's EOS
+    trust_remote_code: bool = False
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.dtype not in DTYPES:
+            out.append(("dtype", self.dtype, f"one of {', '.join(DTYPES)}"))
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            out.append(("dropout", self.dropout, "null or a probability in [0, 1)"))
+        if self.path is None and not self.init:
+            out.append(("init", "{}", "OPTConfig arguments when path is null"))
+        if self.path is not None and _looks_local(self.path) and not os.path.isdir(self.path):
+            out.append(("path", self.path, "an existing directory or a hub id"))
+        return out
+
+
+@dataclass
+class SourceConfig:
+    """One raw dataset: a hub id or a local file, mapped to (prompt, chosen, rejected)."""
+
+    adapter: str = MISSING  # rm-static | full-hh-rlhf | ... | local | toy (see rlhf.data.sources)
+    path: str | None = None  # hub id (adapter's default if null) or local file / save_to_disk dir
+    subset: str | None = None  # the hub dataset's config name
+    train_split: str = "train"
+    eval_split: str | None = "test"  # null: carve the eval rows out of train_split
+    eval_fraction: float = 0.1  # share of train_split used for eval when eval_split is null
+    columns: dict[str, str] = field(default_factory=dict)  # local: prompt/chosen/rejected -> column
+    prompt_template: str = "{prompt}"  # local: how a raw prompt becomes the model's prompt
+    num_rows: int = 0  # toy: rows generated for train (eval gets a tenth); others: cap, 0 = all
+    seed: int = 1234  # toy: generator seed
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        from rlhf.data.sources import source_problems
+
+        return source_problems(self)
+
+
+@dataclass
+class DataConfig:
+    """The data of every step. Several sources blend; each is split into disjoint phases."""
+
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    phase_split: list[int] = field(default_factory=lambda: [2, 4, 4])  # sft, reward, ppo shares
+    max_seq_len: int = 512  # prompt + answer tokens (SFT and reward)
+    max_prompt_len: int = 256  # prompt tokens, left-truncated (PPO prompts; eval generation)
+    max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all
+    seed: int = 1234  # the phase split and the shuffle
+    cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if not self.sources:
+            out.append(
+                ("sources", "{}", "at least one source (data=toy, data=[rm-static,shp], ...)")
+            )
+        if (
+            len(self.phase_split) != 3
+            or any(w < 0 for w in self.phase_split)
+            or not any(self.phase_split)
+        ):
+            out.append(
+                ("phase_split", list(self.phase_split), "three non-negative weights, e.g. [2,4,4]")
+            )
+        if self.max_seq_len < 2:
+            out.append(("max_seq_len", self.max_seq_len, "an integer >= 2"))
+        if not 1 <= self.max_prompt_len < self.max_seq_len:
+            out.append(("max_prompt_len", self.max_prompt_len, "1 <= max_prompt_len < max_seq_len"))
+        if self.max_eval_rows < 0:
+            out.append(("max_eval_rows", self.max_eval_rows, "an integer >= 0"))
+        return out
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO: partitioning stage and CPU offload."""
+
+    stage: int = 0  # 0 (plain data parallel), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
+    offload: bool = False  # optimizer state to CPU (DeepSpeedCPUAdam), and parameters at stage 3
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: float = 5e8
+    stage3_param_persistence_threshold: float = 1e4
+    stage3_max_live_parameters: float = 3e7
+    stage3_prefetch_bucket_size: float = 3e7
+    extra: dict[str, Any] = field(default_factory=dict)  # merged into zero_optimization as is
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        return [] if self.stage in (0, 1, 2, 3) else [("stage", self.stage, "one of 0, 1, 2, 3")]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA through PEFT; rank 0 disables it. Merged into the base weights at export."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+    )
+    module_filter: str | None = "decoder.layers."  # only modules whose name contains this
+    only_optimize_lora: bool = False  # freeze the base weights (else they train too, at optim.lr)
+    learning_rate: float | None = None  # LoRA weights' learning rate; null: optim.lr
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.rank < 0:
+            out.append(("rank", self.rank, "an integer >= 0 (0 disables LoRA)"))
+        if self.rank > 0 and not self.target_modules:
+            out.append(("target_modules", [], "at least one module name"))
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(("dropout", self.dropout, "a probability in [0, 1)"))
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            out.append(("learning_rate", self.learning_rate, "null or a positive float"))
+        if self.only_optimize_lora and self.rank == 0:
+            out.append(("only_optimize_lora", True, "false when lora.rank is 0"))
+        return out
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, a transformers scheduler, batch sizes and the number of epochs."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0  # not applied to biases and LayerNorm weights
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "cosine"  # any transformers SchedulerType
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0
+    epochs: int = 1
+    micro_batch_size: int = 8  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
+    eval_micro_batch_size: int = 16
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    compute_fp32_loss: bool = False  # upcast logits to fp32 for the loss under bf16/fp16
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.lr <= 0:
+            out.append(("lr", self.lr, "a positive float"))
+        if self.weight_decay < 0:
+            out.append(("weight_decay", self.weight_decay, "a float >= 0"))
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            out.append(("betas", list(self.betas), "two floats in [0, 1)"))
+        if self.scheduler not in SCHEDULERS:
+            out.append(("scheduler", self.scheduler, f"one of {', '.join(SCHEDULERS)}"))
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            out.append(("warmup_ratio", self.warmup_ratio, "a float in [0, 1)"))
+        for key in ("warmup_steps", "max_grad_norm"):
+            if getattr(self, key) < 0:
+                out.append((key, getattr(self, key), "a number >= 0"))
+        for key in ("epochs", "micro_batch_size", "eval_micro_batch_size", "grad_accum"):
+            if getattr(self, key) < 1:
+                out.append((key, getattr(self, key), "an integer >= 1"))
+        return out
+
+
+@dataclass
+class LoggerConfig:
+    """Tracking: metrics.jsonl and summary.json always; W&B or TensorBoard on top."""
+
+    backend: str = "none"  # none | wandb | tensorboard
+    project: str = "rlhf"
+    entity: str | None = None
+    group: str | None = None  # null: the sweep's name in a multirun
+    name: str | None = None  # null: built from the command-line overrides
+    mode: str = "auto"  # W&B: auto (offline without an API key) | online | offline | disabled
+    tags: list[str] = field(default_factory=list)
+    progress_bar: bool = True
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.backend not in LOGGER_BACKENDS:
+            out.append(("backend", self.backend, f"one of {', '.join(LOGGER_BACKENDS)}"))
+        if self.mode not in WANDB_MODES:
+            out.append(("mode", self.mode, f"one of {', '.join(WANDB_MODES)}"))
+        return out
+
+
+@dataclass
+class SFTConfig:
+    """Step 1: supervised fine-tuning on prompt + chosen + end-of-text."""
+
+    # DeepSpeed-Chat trains on the prompt tokens too. Off by default: the loss then measures the
+    # answers alone, which is what eval/ppl reports and what the later steps generate.
+    loss_on_prompt: bool = False
+    gold_eval_prompts: int = 64  # held-out prompts answered greedily for eval/gold_accuracy
+    gen_max_new_tokens: int = 32  # answer length for that evaluation
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.gold_eval_prompts < 0:
+            out.append(("gold_eval_prompts", self.gold_eval_prompts, "an integer >= 0"))
+        if self.gen_max_new_tokens < 1:
+            out.append(("gen_max_new_tokens", self.gen_max_new_tokens, "an integer >= 1"))
+        return out
+
+
+@dataclass
+class Config:
+    step: StepConfig = field(default_factory=StepConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
+    run_dir: str | None = None  # null: Hydra's output dir (hydra.run.dir)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.device not in ("auto", "cpu", "cuda"):
+            out.append(("device", self.device, "one of auto, cpu, cuda"))
+        return out
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def collect_problems(node: Any, prefix: str = "") -> list[str]:
+    """Walk the dataclass tree; each node's ``problems()`` gives (key, value, accepted)."""
+    messages = []
+    if hasattr(node, "problems"):
+        for key, value, accepted in node.problems():
+            messages.append(f"{prefix}{key}={value!r}: expected {accepted}")
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            messages += collect_problems(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            messages += collect_problems(value, f"{prefix}{key}.")
+    return messages
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Resolve and convert the composed config to typed objects, raising ConfigError listing
+    every problem found."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except Exception as err:  # interpolation or conversion errors name the key themselves
+        raise ConfigError(str(err)) from None
+    messages = collect_problems(obj)
+    if messages:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(messages))
+    return obj

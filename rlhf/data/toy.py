@@ -1,0 +1,454 @@
+"""The embedded toy task (``data=toy``): a synthetic assistant dataset with checkable answers.
+
+Rows follow Dahoas/rm-static's schema: ``prompt`` ("\\n\\nHuman: {question}\\n\\nAssistant:"), ``response`` (==
+``chosen``), ``chosen`` and ``rejected`` (both start with a space), plus ``task`` (the family) and
+``rejected_kind`` (wrong | off_topic | truncated | rude). Eleven families with small answer spaces:
+``add``, ``subtract``, ``capital``, ``colour``, ``legs``, ``opposite``, ``day``, ``month``, ``plural``,
+``upper`` (a word in capital letters) and ``letter`` (first letter of a word). Each has three question
+paraphrases and one answer template whose value comes last ("3 + 4 = 7.", "A spider has 8 legs.").
+
+Held-out test prompts are never train prompts: arithmetic holds out a fixed fifth of the operand pairs; the
+other families hold out one (fact, paraphrase) combination per fact, so the facts and the phrasings are seen
+in training but never together. The split of the instance space does not depend on the seed.
+
+:func:`gold_check` scores any generated answer, so learning is measured independently of a reward model.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from functools import cache
+from typing import NamedTuple
+
+import datasets
+
+__all__ = [
+    "FAMILIES",
+    "REJECTED_KINDS",
+    "generate_toy_rows",
+    "gold_accuracy",
+    "gold_answer",
+    "gold_check",
+    "toy_corpus",
+    "toy_dataset",
+    "toy_prompt",
+]
+
+# Also the best-to-worst order after chosen. Wrong answers get the largest share: they are the ones for which a
+# reward model must learn the facts.
+REJECTED_KINDS = ("wrong", "off_topic", "truncated", "rude")
+_REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
+
+# fmt: off
+_CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
+    "Japan": "Tokyo", "China": "Beijing", "Russia": "Moscow", "Egypt": "Cairo", "Kenya": "Nairobi",
+    "Canada": "Ottawa", "Peru": "Lima", "Chile": "Santiago", "Greece": "Athens", "Norway": "Oslo",
+    "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw", "Austria": "Vienna",
+    "Ireland": "Dublin", "Cuba": "Havana", "Thailand": "Bangkok", "Turkey": "Ankara", "Hungary": "Budapest",
+    "Denmark": "Copenhagen", "Australia": "Canberra", "Vietnam": "Hanoi", "Nepal": "Kathmandu",
+}
+_COLOURS = {
+    "banana": "yellow", "lemon": "yellow", "strawberry": "red", "cherry": "red", "tomato": "red",
+    "lime": "green", "cucumber": "green", "pea": "green", "grape": "purple", "plum": "purple",
+    "eggplant": "purple", "carrot": "orange", "pumpkin": "orange", "blueberry": "blue", "coconut": "brown",
+    "potato": "brown",
+}
+_LEGS = {
+    "spider": "8", "scorpion": "8", "ant": "6", "bee": "6", "beetle": "6", "butterfly": "6", "dog": "4",
+    "cat": "4", "horse": "4", "cow": "4", "lion": "4", "frog": "4", "elephant": "4", "chicken": "2",
+    "duck": "2", "penguin": "2", "ostrich": "2", "snake": "0", "worm": "0", "fish": "0",
+}
+_OPPOSITE_PAIRS = [
+    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("happy", "sad"),
+    ("light", "dark"), ("open", "closed"), ("full", "empty"), ("high", "low"), ("wet", "dry"),
+    ("early", "late"), ("hard", "soft"), ("young", "old"), ("rich", "poor"), ("strong", "weak"),
+    ("loud", "quiet"), ("long", "short"), ("thick", "thin"), ("win", "lose"), ("day", "night"),
+]
+_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
+           "October", "November", "December"]
+_PLURALS = {
+    "cat": "cats", "dog": "dogs", "box": "boxes", "bus": "buses", "baby": "babies", "city": "cities",
+    "mouse": "mice", "goose": "geese", "child": "children", "man": "men", "woman": "women", "foot": "feet",
+    "tooth": "teeth", "person": "people", "leaf": "leaves", "knife": "knives", "wolf": "wolves",
+    "ox": "oxen", "potato": "potatoes", "hero": "heroes", "cactus": "cacti", "glass": "glasses",
+}
+# No word starts with "A" or "I": a lone "A" or "I" is an article or pronoun, never a letter value.
+_WORDS = [
+    "ball", "cake", "door", "egg", "fish", "garden", "house", "jacket", "kite", "lemon", "moon",
+    "nest", "orange", "piano", "queen", "river", "sun", "tree", "umbrella", "violin", "window", "yacht",
+    "zebra", "bread", "cloud", "horse", "milk", "star", "water",
+]
+_RUDE = [
+    "I don't feel like answering that.", "Figure it out yourself.", "What a stupid question.",
+    "Stop bothering me with this.", "Not my problem, ask someone else.", "Whatever. Go away.",
+]
+_RUDE_MARKERS = ("don't feel like", "figure it out", "stupid", "bothering me", "not my problem",
+                 "go away", "whatever")
+# fmt: on
+
+
+class Instance(NamedTuple):
+    """One question of a family, independent of its phrasing."""
+
+    key: str  # unique within the family, e.g. "3+4", "France"
+    fields: tuple[tuple[str, str], ...]  # template fields, e.g. (("a", "3"), ("b", "4"))
+    value: str  # the expected answer value, e.g. "7"
+    restated: tuple[str, ...]  # values a right answer may restate: operands, the asked word
+    wrong: tuple[str, ...]  # plausible wrong values from the same answer space
+
+
+@dataclass(frozen=True)
+class Family:
+    """A task family: question paraphrases, one answer template ({v} = the value, always last) and instances.
+
+    ``kind`` decides what counts as a value in a response (see :func:`gold_check`): "number" (any number),
+    "word" (a word of ``vocab``, case-insensitive), "upper" (an all-capitals word of 2+ letters) or "letter"
+    (a lone capital letter other than "A" and "I").
+    """
+
+    name: str
+    questions: tuple[str, ...]
+    answer: str
+    kind: str
+    instances: tuple[Instance, ...]
+    holdout: str  # "instance": a fixed fifth of instances is test-only; "paraphrase": one phrasing per fact
+    vocab: tuple[str, ...] = ()
+
+    def question(self, inst: Instance, paraphrase: int) -> str:
+        return self.questions[paraphrase].format(**dict(inst.fields))
+
+    def answer_parts(self, inst: Instance) -> tuple[str, str]:
+        """(text before the value, text after it), e.g. ("The capital of France is", ".")."""
+        before, after = self.answer.split("{v}")
+        fields = dict(inst.fields)
+        return before.format(**fields).rstrip(), after.format(**fields)
+
+    def sentence(self, inst: Instance, value: str | None = None) -> str:
+        before, after = self.answer_parts(inst)
+        return f"{before} {inst.value if value is None else value}{after}"
+
+
+def _article(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def _table(table: dict[str, str], answer_space: list[str], restate_key: bool = False) -> tuple:
+    out = []
+    for key, value in table.items():
+        a_x = _article(key)
+        fields = (("x", key), ("a_x", a_x), ("A_x", a_x[0].upper() + a_x[1:]))
+        restated = (key,) if restate_key else ()
+        wrong = tuple(v for v in answer_space if v != value and v not in restated)
+        out.append(Instance(key, fields, value, restated, wrong))
+    return tuple(out)
+
+
+def _arithmetic(op: str) -> tuple[Instance, ...]:
+    """Operands and results in 1..9 for "+" (a, b in 1..9) and "-" (a - b with b and a - b in 1..9).
+
+    Pairs whose result equals an operand (6 - 3 = 3) are left out: a truncated "6 - 3 =" would state the value.
+    """
+    out = []
+    for b in range(1, 10):
+        for c in range(1, 10):
+            a, v = (b, b + c) if op == "+" else (b + c, c)
+            b_ = c if op == "+" else b
+            if v in (a, b_):
+                continue
+            wrong = tuple(str(w) for w in (v - 2, v - 1, v + 1, v + 2) if w >= 0)
+            fields = (("a", str(a)), ("b", str(b_)))
+            out.append(Instance(f"{a}{op}{b_}", fields, str(v), (str(a), str(b_)), wrong))
+    return tuple(out)
+
+
+def _cyclic(names: list[str]) -> dict[str, str]:
+    return {n: names[(i + 1) % len(names)] for i, n in enumerate(names)}
+
+
+def _build_families() -> dict[str, Family]:
+    opposites = {a: b for a, b in _OPPOSITE_PAIRS} | {b: a for a, b in _OPPOSITE_PAIRS}
+    opp_vocab = sorted(opposites)
+    plural_vocab = sorted(set(_PLURALS) | set(_PLURALS.values()))
+    families = [
+        Family("add", ("What is {a} + {b}?", "What is {a} plus {b}?", "Can you compute {a} + {b}?"),
+               "{a} + {b} = {v}.", "number", _arithmetic("+"), "instance"),
+        Family("subtract", ("What is {a} - {b}?", "What is {a} minus {b}?", "Can you compute {a} - {b}?"),
+               "{a} - {b} = {v}.", "number", _arithmetic("-"), "instance"),
+        Family("capital", ("What is the capital of {x}?", "Which city is the capital of {x}?",
+                           "Name the capital city of {x}."),
+               "The capital of {x} is {v}.", "word",
+               _table(_CAPITALS, sorted(_CAPITALS.values())), "paraphrase", tuple(_CAPITALS.values())),
+        Family("colour", ("What colour is {a_x}?", "What is the colour of {a_x}?", "Tell me the colour of {a_x}."),
+               "{A_x} is {v}.", "word", _table(_COLOURS, sorted(set(_COLOURS.values()))), "paraphrase",
+               tuple(sorted(set(_COLOURS.values())))),
+        Family("legs", ("How many legs does {a_x} have?", "How many legs has {a_x} got?",
+                        "Count the legs of {a_x}."),
+               "{A_x} has {v} legs.", "number", _table(_LEGS, ["0", "2", "4", "6", "8"]), "paraphrase"),
+        Family("opposite", ("What is the opposite of {x}?", "What word means the opposite of {x}?",
+                            "Give me the opposite of {x}."),
+               "The opposite of {x} is {v}.", "word", _table(opposites, opp_vocab, True), "paraphrase",
+               tuple(opp_vocab)),
+        Family("day", ("What day comes after {x}?", "Which day follows {x}?", "What is the day after {x}?"),
+               "The day after {x} is {v}.", "word", _table(_cyclic(_DAYS), _DAYS, True), "paraphrase",
+               tuple(_DAYS)),
+        Family("month", ("What month comes after {x}?", "Which month follows {x}?",
+                         "What is the month after {x}?"),
+               "The month after {x} is {v}.", "word", _table(_cyclic(_MONTHS), _MONTHS, True), "paraphrase",
+               tuple(_MONTHS)),
+        Family("plural", ("What is the plural of {x}?", "What is more than one {x} called?",
+                          "Give me the plural of {x}."),
+               "The plural of {x} is {v}.", "word", _table(_PLURALS, sorted(_PLURALS.values()), True),
+               "paraphrase", tuple(plural_vocab)),
+        Family("upper", ("Write the word {x} in capital letters.", "How is {x} written in capital letters?",
+                         "Spell {x} in upper case."),
+               "In capital letters, {x} is {v}.", "upper",
+               _table({w: w.upper() for w in _WORDS}, [w.upper() for w in _WORDS]), "paraphrase"),
+        Family("letter", ("What is the first letter of {x}?", "Which letter does the word {x} start with?",
+                          "What letter does {x} begin with?"),
+               "The first letter of {x} is {v}.", "letter",
+               _table({w: w[0].upper() for w in _WORDS}, sorted({w[0].upper() for w in _WORDS})), "paraphrase"),
+    ]  # fmt: skip
+    return {f.name: f for f in families}
+
+
+FAMILIES: dict[str, Family] = _build_families()
+_FAMILY_LIST = tuple(FAMILIES.values())
+
+
+def _hash(text: str) -> int:
+    return zlib.crc32(text.encode())  # stable across processes, unlike hash()
+
+
+def _is_test(family: Family, inst: Instance, paraphrase: int) -> bool:
+    """The fixed train/test partition of (family, instance, paraphrase); independent of the seed."""
+    h = _hash(f"{family.name}:{inst.key}")
+    if family.holdout == "instance":
+        return h % 5 == 0
+    return h % len(family.questions) == paraphrase
+
+
+@cache
+def _pool(split: str, family_name: str) -> tuple[tuple[Instance, int], ...]:
+    family = FAMILIES[family_name]
+    want_test = split == "test"
+    return tuple(
+        (inst, p)
+        for inst in family.instances
+        for p in range(len(family.questions))
+        if _is_test(family, inst, p) == want_test
+    )
+
+
+def toy_prompt(question: str) -> str:
+    return f"\n\nHuman: {question}\n\nAssistant:"
+
+
+@cache
+def _prompt_index() -> dict[str, tuple[Family, Instance]]:
+    return {
+        family.question(inst, p): (family, inst)
+        for family in FAMILIES.values()
+        for inst in family.instances
+        for p in range(len(family.questions))
+    }
+
+
+# ---------------------------------------------------------------------------------------------- gold check
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
+_UPPER = re.compile(r"\b[A-Z]{2,}\b")
+_LETTER = re.compile(r"\b[B-HJ-Z]\b")
+_STOPS = ("Human:", "Assistant:", "</s>")
+
+
+@cache
+def _word_regex(vocab: tuple[str, ...]) -> re.Pattern[str]:
+    words = sorted(vocab, key=len, reverse=True)
+    return re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
+
+
+def _norm_number(token: str) -> str:
+    """Canonical text of a number: 007 -> 7, 7.50 -> 7.5, 7.0 -> 7, -0 -> 0.
+
+    String operations only: int() would raise on a run of more than 4300 digits."""
+    negative = token.startswith("-")
+    whole, _, frac = token.lstrip("-").partition(".")
+    text = (whole.lstrip("0") or "0") + ("." + frac.rstrip("0") if frac.rstrip("0") else "")
+    return "-" + text if negative and text != "0" else text
+
+
+def _values(family: Family, text: str) -> list[str]:
+    """The answer-space values stated in ``text``, in order, normalised for comparison."""
+    if family.kind == "number":
+        return [_norm_number(m) for m in _NUMBER.findall(text)]
+    if family.kind == "upper":
+        return _UPPER.findall(text)
+    if family.kind == "letter":
+        return _LETTER.findall(text)
+    return [m.lower() for m in _word_regex(family.vocab).findall(text)]
+
+
+def _norm_value(family: Family, value: str) -> str:
+    if family.kind == "number":
+        return _norm_number(value)
+    return value.lower() if family.kind == "word" else value
+
+
+def _answer_text(response: str) -> str:
+    """The part of a response that counts: up to the first "Human:", "Assistant:" or "</s>"; pads removed."""
+    for stop in _STOPS:
+        response = response.split(stop, 1)[0]
+    return response.replace("<pad>", "")
+
+
+def _lookup(prompt: str) -> tuple[Family, Instance] | None:
+    if not isinstance(prompt, str):
+        return None
+    question = prompt.rsplit("Human:", 1)[-1]
+    if "Assistant:" in question:
+        question = question.rsplit("Assistant:", 1)[0]
+    return _prompt_index().get(question.strip())
+
+
+def gold_answer(prompt: str) -> str | None:
+    """The expected answer value of a toy prompt ("7", "Paris", "APPLE"); None if it is not a toy prompt.
+
+    The question is the text between the last "Human:" and the following "Assistant:", stripped; it must be a
+    toy question exactly as generated (any family, split or paraphrase).
+    """
+    found = _lookup(prompt)
+    return None if found is None else found[1].value
+
+
+def gold_check(prompt: str, response: str) -> bool:
+    """True iff ``response`` correctly answers the toy ``prompt``. Never raises.
+
+    Rules, applied in order:
+
+    1. Only the text before the first "Human:", "Assistant:" or "</s>" counts ("<pad>" strings are removed).
+    2. False if the prompt is not a toy prompt (see :func:`gold_answer`), the response is not a string, or the
+       counted text is blank or contains a rude marker ("stupid", "figure it out", "go away", ...).
+    3. The values from the family's answer space stated in the text are collected, in order:
+       - number families (add, subtract, legs): every number ("-5", "7.5" and "007" == "7" included);
+       - word families (capital, colour, opposite, day, month, plural): whole words of the family's vocabulary,
+         case-insensitive ("paris" counts; "blueberry" does not contain "blue"; "women" does not contain "men");
+       - upper: whole all-capitals words of 2+ letters, case-sensitive ("APPLE"; "apple" and "APPLES" differ);
+       - letter: lone capital letters other than the article "A" and the pronoun "I", case-sensitive ("T",
+         not "t"; no word of the letter family starts with A or I).
+    4. True iff at least one value is stated, the LAST one is the expected value, and every value stated is
+       either the expected value or one the question itself contains (the operands of "3 + 4", the asked word
+       of "the opposite of hot"). So "3 + 4 = 7." passes; "3 + 4 = 8.", "3 + 4 = 7 or 8", "The opposite of cold
+       is hot." (for "opposite of hot"), "The capital of France is" and "Paris. Figure it out yourself." fail.
+    """
+    try:
+        found = _lookup(prompt)
+        if found is None or not isinstance(response, str):
+            return False
+        family, inst = found
+        text = _answer_text(response)
+        lowered = text.lower()
+        if not text.strip() or any(marker in lowered for marker in _RUDE_MARKERS):
+            return False
+        values = _values(family, text)
+        expected = _norm_value(family, inst.value)
+        allowed = {expected} | {_norm_value(family, r) for r in inst.restated}
+        return bool(values) and values[-1] == expected and set(values) <= allowed
+    except Exception:  # robustness guarantee for arbitrary model output
+        return False
+
+
+def gold_accuracy(prompts: list[str], responses: list[str]) -> float:
+    """Fraction of (prompt, response) pairs that pass :func:`gold_check`; 0.0 for no pairs."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        return 0.0
+    return sum(gold_check(p, r) for p, r in zip(prompts, responses, strict=True)) / len(prompts)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+def _rejected(kind: str, family: Family, inst: Instance, split: str, rng: random.Random) -> str:
+    if kind == "wrong":
+        return " " + family.sentence(inst, rng.choice(inst.wrong))
+    if kind == "truncated":  # cut at a word boundary before the value: no final value, no full stop
+        words = family.answer_parts(inst)[0].split(" ")
+        return " " + " ".join(words[: rng.randint(max(1, len(words) // 2), len(words))])
+    if kind == "rude":
+        return " " + rng.choice(_RUDE)
+    if kind == "off_topic":  # the correct answer to a question of another family
+        other = rng.choice([f for f in _FAMILY_LIST if f is not family])
+        other_inst, _ = rng.choice(_pool(split, other.name))
+        return " " + other.sentence(other_inst)
+    raise ValueError(f"unknown rejected kind {kind!r}")
+
+
+def _failing_rejected(
+    kind: str, family: Family, inst: Instance, prompt: str, split: str, rng: random.Random
+) -> str:
+    """A rejected answer of ``kind`` that fails the gold check (an off-topic answer can happen to be right:
+    "A dog has 4 legs." for "What is 1 + 3?"); other kinds fail by construction, the loop only guards it."""
+    for _ in range(100):
+        answer = _rejected(kind, family, inst, split, rng)
+        if not gold_check(prompt, answer):
+            return answer
+    raise RuntimeError(f"no failing {kind} answer for {prompt!r}")
+
+
+def _row(split: str, rng: random.Random, num_ranked: int) -> dict:
+    family = rng.choice(_FAMILY_LIST)
+    inst, paraphrase = rng.choice(_pool(split, family.name))
+    prompt = toy_prompt(family.question(inst, paraphrase))
+    chosen = " " + family.sentence(inst)
+    kind = rng.choices(REJECTED_KINDS, weights=_REJECTED_WEIGHTS)[0]
+    rejected = _failing_rejected(kind, family, inst, prompt, split, rng)
+    row = {"prompt": prompt, "response": chosen, "chosen": chosen, "rejected": rejected,
+           "task": family.name, "rejected_kind": kind}  # fmt: skip
+    # Drawn always, so that asking for the column changes no other column of any row.
+    child_seed = rng.getrandbits(64)
+    if num_ranked:
+        child = random.Random(child_seed)
+        worse = [_failing_rejected(k, family, inst, prompt, split, child) for k in REJECTED_KINDS]
+        row["responses"] = [chosen, *worse][:num_ranked]
+    return row
+
+
+def generate_toy_rows(
+    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0
+) -> list[dict]:
+    """``num_rows`` toy rows of ``split`` ("train" or "test"), a pure function of the arguments.
+
+    Columns: prompt, response (== chosen), chosen, rejected, task, rejected_kind; with ``num_ranked`` = K > 0
+    also ``responses``: K answers best to worst (chosen, wrong, off_topic, truncated, rude), K <= 5.
+    Rows are drawn from one stream per (seed, split): the first n rows of a longer request are the same rows.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if not 0 <= num_ranked <= 1 + len(REJECTED_KINDS):
+        raise ValueError(f"num_ranked must be in 0..{1 + len(REJECTED_KINDS)}, got {num_ranked}")
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    rng = random.Random(f"rlhf-toy:{seed}:{split}")
+    return [_row(split, rng, num_ranked) for _ in range(num_rows)]
+
+
+def toy_dataset(
+    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0
+) -> datasets.Dataset:
+    """:func:`generate_toy_rows` as a ``datasets.Dataset``."""
+    return datasets.Dataset.from_list(generate_toy_rows(split, num_rows, seed, num_ranked))
+
+
+def toy_corpus(num_texts: int, seed: int = 1234) -> list[str]:
+    """Plain statements of train-split facts ("The capital of France is Paris.", "3 + 4 = 7."), one per text,
+    for PPO's unsupervised language-modelling loss. No leading space, no prompt."""
+    rng = random.Random(f"rlhf-toy:{seed}:corpus")
+    out = []
+    for _ in range(num_texts):
+        family = rng.choice(_FAMILY_LIST)
+        inst, _ = rng.choice(_pool("train", family.name))
+        out.append(family.sentence(inst))
+    return out

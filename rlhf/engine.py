@@ -1,0 +1,208 @@
+"""The DeepSpeed engine: distributed set-up and teardown, the DeepSpeed config as a pure function
+of the Hydra config, the optimizer and scheduler, and ``deepspeed.initialize``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rlhf.config import ConfigError, LoraConfig, OptimConfig, ZeroConfig
+
+log = logging.getLogger(__name__)
+
+# Parameters whose names contain one of these are not weight-decayed (DeepSpeed-Chat's list).
+NO_DECAY_NAMES = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
+
+
+def world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def device_type(requested: str) -> str:
+    """'cuda' or 'cpu'. DeepSpeed picks its accelerator from DS_ACCELERATOR, so set it first."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda': no CUDA device is visible; use device=cpu or auto")
+    os.environ.setdefault("DS_ACCELERATOR", requested)
+    return requested
+
+
+def init_distributed(device: str, timeout_s: int = 1800) -> None:
+    """Join (or, for a plain ``python -m rlhf``, create) the process group. Launchers (torchrun,
+    deepspeed) set RANK/WORLD_SIZE/MASTER_*; a single process gets a private free port."""
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def teardown() -> None:
+    """Barrier then destroy, so no rank exits while another still talks to it (gloo aborts)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    """'auto' is bf16 on a GPU that supports it (fp16 otherwise) and fp32 on CPU."""
+    if requested == "auto":
+        if device == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if requested == "fp16" and device == "cpu":
+        raise ConfigError("model.dtype='fp16': not supported on CPU; use fp32 (or bf16)")
+    return requested
+
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+
+def ds_config(zero: ZeroConfig, optim: OptimConfig, batch: BatchShape, dtype: str) -> dict:
+    """The DeepSpeed config for one trained model (pure; DeepSpeed-Chat's get_train_ds_config)."""
+    zero_opt: dict[str, Any] = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm,
+        "contiguous_gradients": zero.contiguous_gradients,
+        "reduce_bucket_size": int(zero.reduce_bucket_size),
+    }
+    if zero.stage == 3:
+        zero_opt.update(
+            stage3_param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            stage3_max_live_parameters=int(zero.stage3_max_live_parameters),
+            stage3_prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if zero.offload:
+        zero_opt["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if zero.stage == 3:
+            zero_opt["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    zero_opt.update(zero.extra)
+    return {
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.grad_accum,
+        "train_batch_size": batch.global_batch_size,
+        "gradient_clipping": optim.max_grad_norm,
+        "zero_optimization": zero_opt,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale_window": 100, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig) -> list[dict]:
+    """Decay / no-decay groups, and LoRA weights in their own group with their learning rate."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_lora = "lora_" in name
+        decays = not any(part in name.lower() for part in NO_DECAY_NAMES)
+        groups.setdefault((is_lora, decays), []).append(param)
+    lora_lr = lora.learning_rate or optim.lr
+    return [
+        {
+            "params": params,
+            "weight_decay": optim.weight_decay if decays else 0.0,
+            "lr": lora_lr if is_lora else optim.lr,
+        }
+        for (is_lora, decays), params in sorted(groups.items())
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig, offload: bool):
+    """AdamW: DeepSpeedCPUAdam for offloaded state, FusedAdam on GPU, torch's AdamW on CPU.
+    All three implement the same update, so stage/offload choices don't change the numbers."""
+    groups = param_groups(model, optim, lora)
+    kwargs = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if torch.cuda.is_available():
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def num_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    return optim.warmup_steps or math.ceil(optim.warmup_ratio * total_steps)
+
+
+def initialize(
+    model, config: dict, optim: OptimConfig, lora: LoraConfig, offload: bool, total_steps: int
+):
+    """Wrap a model in a DeepSpeed engine (``config`` from :func:`ds_config`) with AdamW and the
+    configured scheduler."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    optimizer = build_optimizer(model, optim, lora, offload)
+    scheduler = get_scheduler(
+        optim.scheduler, optimizer, num_warmup_steps(optim, total_steps), total_steps
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=config,
+    )
+    return engine
+
+
+def quiet_deepspeed() -> None:
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)

@@ -1,0 +1,86 @@
+"""Rollouts: left-padded prompts, sampling or greedy decoding that stops at end-of-text, response
+masks, and ZeRO-3-safe generation (every rank keeps stepping until all have finished)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from transformers import GenerationConfig
+
+from rlhf.data.batching import left_pad
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 32
+    greedy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class Rollout(NamedTuple):
+    """sequences: (B, P + R) left-padded prompt then response, padded after end-of-text.
+    attention_mask: (B, P + R) 1 on real prompt tokens and on the response up to its end.
+    prompt_width: P, the padded prompt width (responses start at column P).
+    response_mask: (B, R) True on response tokens up to and including the first end-of-text."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_width: int
+    response_mask: torch.Tensor
+
+
+def response_mask(response_ids: torch.Tensor, end_id: int) -> torch.Tensor:
+    """(B, R) True up to and including the first ``end_id``; all True when there is none (the
+    answer was cut at max_new_tokens)."""
+    is_end = response_ids == end_id
+    ends_before = torch.cumsum(is_end.long(), dim=1) - is_end.long()
+    return ends_before == 0
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    end_id: int,
+    sampling: Sampling,
+    synced_gpus: bool,
+) -> Rollout:
+    """Sample answers for ``prompts`` (token id lists). With ``synced_gpus`` (ZeRO-3) every rank
+    runs the same number of forward passes even after its own answers have ended."""
+    input_ids, prompt_mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    config = GenerationConfig(
+        max_new_tokens=sampling.max_new_tokens,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else None,
+        top_p=sampling.top_p if not sampling.greedy else None,
+        top_k=sampling.top_k if not sampling.greedy else None,
+        pad_token_id=pad_id,
+        eos_token_id=end_id,
+    )
+    was_training = model.training
+    model.eval()
+    sequences = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=prompt_mask.to(device),
+        generation_config=config,
+        synced_gpus=synced_gpus,
+    ).cpu()
+    model.train(was_training)
+    width = input_ids.shape[1]
+    mask = response_mask(sequences[:, width:], end_id)
+    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+    return Rollout(sequences, attention_mask, width, mask)
+
+
+def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    responses = rollout.sequences[:, rollout.prompt_width :]
+    return [
+        tokenizer.decode(ids[mask], skip_special_tokens=True)
+        for ids, mask in zip(responses, rollout.response_mask)
+    ]

@@ -1,0 +1,248 @@
+"""Loading causal LMs and tokenizers (hub, local, or the embedded tiny model), dropout override,
+gradient checkpointing, LoRA via PEFT, and save_pretrained exports that gather ZeRO-3 weights."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from rlhf.config import ConfigError, LoraConfig, ModelConfig
+from rlhf.engine import TORCH_DTYPES, barrier, is_main
+
+log = logging.getLogger(__name__)
+
+DROPOUT_KEYS = (
+    "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "activation_dropout",
+    "attention_probs_dropout_prob",
+    "hidden_dropout_prob",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+)
+
+
+def tiny_model_dir(model: ModelConfig, cache_dir: str) -> Path:
+    """Build the embedded model once (rank 0; the others wait) and return its directory.
+    The directory name hashes the architecture, seed and tokenizer, so a change rebuilds it."""
+    from rlhf.assets import TINY_TOKENIZER_DIR
+
+    tokenizer_dir = Path(model.tokenizer or TINY_TOKENIZER_DIR)
+    key = json.dumps(
+        {
+            "init": dict(model.init),
+            "seed": model.init_seed,
+            "tokenizer": _dir_digest(tokenizer_dir),
+        },
+        sort_keys=True,
+    )
+    out = Path(cache_dir).expanduser() / "models" / f"tiny-{_sha(key)[:16]}"
+    if is_main() and not (out / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        from transformers import OPTConfig, OPTForCausalLM
+
+        config = OPTConfig(
+            vocab_size=_round_up(len(tokenizer), 8),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **model.init,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(model.init_seed)
+            lm = OPTForCausalLM(config)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        lm.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic: a crash never leaves a half-built model behind
+        log.info("built the tiny model (%.2fM parameters) in %s", lm.num_parameters() / 1e6, out)
+    barrier()
+    return out
+
+
+def model_path(model: ModelConfig, cache_dir: str) -> str:
+    return model.path if model.path is not None else str(tiny_model_dir(model, cache_dir))
+
+
+def load_tokenizer(model: ModelConfig, path: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(
+        model.tokenizer if model.path is not None and model.tokenizer else path,
+        trust_remote_code=model.trust_remote_code,
+    )
+    if tokenizer.pad_token is None:  # LLaMA-style tokenizers: pad with EOS, masks do the rest
+        tokenizer.pad_token = tokenizer.eos_token
+    eot = model.end_of_text_token
+    if eot is not None and eot not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [eot]})
+    return tokenizer
+
+
+def end_of_text_id(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> int:
+    if model.end_of_text_token is None:
+        return tokenizer.eos_token_id
+    return tokenizer.convert_tokens_to_ids(model.end_of_text_token)
+
+
+@contextlib.contextmanager
+def zero3_init(ds_config: dict | None):
+    """Construct models partitioned (ZeRO-3) while inside; other models loaded later (a
+    reference model at another stage, an export copy on rank 0) are not."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(ds_config) if ds_config else None
+    try:
+        yield
+    finally:
+        del keep
+        unset_hf_deepspeed_config()
+
+
+def model_config(model: ModelConfig, path: str):
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    if model.dropout is not None:
+        for key in DROPOUT_KEYS:
+            if hasattr(config, key):
+                setattr(config, key, model.dropout)
+    return config
+
+
+def load_causal_lm(
+    model: ModelConfig, path: str, tokenizer, dtype: str, ds_config: dict | None = None
+) -> torch.nn.Module:
+    """A causal LM ready for DeepSpeed; ``ds_config`` (ZeRO-3 only) partitions it as it loads."""
+    with zero3_init(ds_config):
+        lm = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=model_config(model, path),
+            dtype=TORCH_DTYPES[dtype],
+            trust_remote_code=model.trust_remote_code,
+        )
+        if len(tokenizer) > lm.get_input_embeddings().num_embeddings:
+            lm.resize_token_embeddings(_round_up(len(tokenizer), 8))
+    lm.config.end_token_id = tokenizer.eos_token_id
+    lm.config.pad_token_id = tokenizer.pad_token_id
+    if model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lm
+
+
+def lora_target(lora: LoraConfig) -> str:
+    """PEFT full-match regex: the target modules inside modules named like module_filter."""
+    names = "|".join(re.escape(m) for m in lora.target_modules)
+    scope = f".*{re.escape(lora.module_filter)}.*" if lora.module_filter else "(.*\\.)?"
+    return f"{scope}({names})"
+
+
+def apply_lora(lm: torch.nn.Module, lora: LoraConfig, modules_to_save=None) -> torch.nn.Module:
+    """Wrap in PEFT LoRA. Unless only_optimize_lora, the base weights keep training too
+    (DeepSpeed-Chat's behaviour); modules_to_save (a value head) always train."""
+    if lora.rank == 0:
+        return lm
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora_target(lora),
+        modules_to_save=modules_to_save,
+    )
+    try:
+        wrapped = get_peft_model(lm, peft_config)
+    except ValueError as err:
+        raise ConfigError(
+            f"lora.target_modules / lora.module_filter match nothing: {err}"
+        ) from None
+    if not lora.only_optimize_lora:
+        for param in wrapped.parameters():
+            param.requires_grad_(True)
+    return wrapped
+
+
+def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
+    """Every parameter and buffer, complete and on CPU, on rank 0 (None elsewhere). Under
+    ZeRO-3 all ranks must call this: each parameter is gathered in turn."""
+    if zero_stage != 3:
+        return (
+            {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            if is_main()
+            else None
+        )
+    import deepspeed
+
+    state = {} if is_main() else None
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if state is not None:
+                state[name] = param.detach().cpu().clone()
+    if state is not None:
+        for name, buf in module.named_buffers():
+            state[name] = buf.detach().cpu().clone()
+    return state
+
+
+def export_pretrained(
+    module: torch.nn.Module,
+    zero_stage: int,
+    build_copy: Callable[[], torch.nn.Module],
+    tokenizer,
+    out_dir: Path,
+    extra_files: dict[str, dict] | None = None,
+) -> None:
+    """Write ``out_dir`` in save_pretrained format (LoRA merged into the base weights) with the
+    tokenizer. ``build_copy`` makes a fresh CPU model of the same architecture (LoRA wrappers
+    included) to load the gathered weights into. Written to a temporary name and renamed, so an
+    existing export is replaced only by a complete one."""
+    state = full_state_dict(module, zero_stage)
+    if is_main():
+        copy = build_copy()
+        _, unexpected = copy.load_state_dict(state, strict=False)
+        missing = {name for name, _ in copy.named_parameters()} - state.keys()  # tied: named once
+        if unexpected or missing:
+            raise RuntimeError(f"export: missing {sorted(missing)}, unexpected {unexpected}")
+        if hasattr(copy, "merge_and_unload"):
+            copy = copy.merge_and_unload()
+        tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        copy.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, payload in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(payload, indent=2))
+        if out_dir.exists():
+            old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    barrier()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return int(multiple * math.ceil(n / multiple))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _dir_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()

@@ -1,0 +1,282 @@
+"""Step 1: supervised fine-tuning on prompt + chosen answer + end-of-text.
+
+DeepSpeed-Chat's step1_supervised_finetuning/main.py, with dynamic padding and a loss normalised
+by the global number of target tokens (so ZeRO stage, rank count and gradient accumulation do
+not change the update).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, set_seed
+
+from rlhf.algos import causal_lm_nll_sum
+from rlhf.config import Config, ConfigError
+from rlhf.data.batching import (
+    IGNORE_INDEX,
+    EpochPlan,
+    count_targets,
+    eval_shards,
+    sft_batch,
+    token_loss_scale,
+)
+from rlhf.data.pipeline import phase_dataset
+from rlhf.data.toy import gold_answer, gold_check
+from rlhf.engine import (
+    BatchShape,
+    device_type,
+    ds_config,
+    initialize,
+    rank,
+    resolve_dtype,
+    world_size,
+)
+from rlhf.generation import Sampling, decode_responses, generate
+from rlhf.models import (
+    apply_lora,
+    end_of_text_id,
+    export_pretrained,
+    load_causal_lm,
+    load_tokenizer,
+    model_path,
+)
+from rlhf.steps.common import RunInfo, Throughput, TrainState, all_reduce_sum, model_device
+from rlhf.tracking import Tracker, peak_memory_gb
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: Config, info: RunInfo) -> dict[str, float]:
+    started = time.perf_counter()
+    device = device_type(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    set_seed(cfg.seed)
+
+    # 1. tokenizer and data
+    path = model_path(cfg.model, cfg.cache_dir)
+    tokenizer = load_tokenizer(cfg.model, path)
+    eot = end_of_text_id(cfg.model, tokenizer)
+    train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
+    eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
+    shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
+    plan = EpochPlan(
+        len(train_rows), shape.micro_batch_size, shape.world_size, shape.grad_accum, cfg.data.seed
+    )
+    if plan.steps_per_epoch == 0:
+        raise ConfigError(
+            f"data: the SFT phase has {len(train_rows)} training rows, fewer than one global "
+            f"batch ({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)"
+        )
+    total_steps = plan.steps_per_epoch * cfg.optim.epochs
+    if cfg.step.max_steps > 0:
+        total_steps = min(total_steps, cfg.step.max_steps)
+
+    # 2. model and engine
+    ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
+    lm = load_causal_lm(cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None)
+    lm_config = lm.config
+    lm = apply_lora(lm, cfg.lora)
+    engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    log.info(
+        "SFT: %d train / %d eval rows, %d steps of %d rows, ZeRO-%d on %d rank(s)",
+        len(train_rows),
+        len(eval_rows),
+        total_steps,
+        plan.global_batch_size,
+        cfg.zero.stage,
+        shape.world_size,
+    )
+
+    tracker = Tracker(
+        info.run_dir, cfg.logger, "sft", info.run_name, info.config, info.group, enabled=rank() == 0
+    )
+    evaluate = Evaluator(cfg, tokenizer, eval_rows, eot)
+
+    # 3. the untrained model, for the 'before' figures
+    state = TrainState()
+
+    def log_eval() -> dict[str, float]:
+        metrics = evaluate(engine)
+        tracker.log(metrics, step=state.global_step)
+        tracker.log_table(
+            "eval/samples", ["prompt", "answer"], evaluate.samples, step=state.global_step
+        )
+        return metrics
+
+    if cfg.step.eval_at_start:
+        tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
+
+    # 4. train
+    bar = tqdm(total=total_steps, desc="sft", disable=rank() != 0 or not cfg.logger.progress_bar)
+    speed = Throughput()
+    window_nll = window_tokens = 0.0
+    while state.global_step < total_steps:
+        micro_batches = [
+            sft_batch(_rows(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt)
+            for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+        ]
+        speed.start()
+        nll, targets, tokens = train_step(engine, micro_batches, shape, cfg.optim.compute_fp32_loss)
+        speed.stop(tokens, plan.global_batch_size)
+        state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
+        window_nll, window_tokens = window_nll + nll, window_tokens + targets
+        bar.update()
+
+        if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
+            metrics = {
+                "train/loss": window_nll / window_tokens,
+                "train/lr": engine.get_lr()[0],
+                "train/epoch": state.global_step / plan.steps_per_epoch,
+                **speed.metrics(),
+            }
+            tracker.log(metrics, step=state.global_step)
+            bar.set_postfix(
+                loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
+            )
+            window_nll = window_tokens = 0.0
+        if _eval_due(cfg, state, plan, total_steps):
+            log_eval()
+    bar.close()
+
+    # 5. final evaluation, export, summary
+    final = log_eval()
+    if cfg.step.save_model:
+
+        def build_copy():
+            copy = AutoModelForCausalLM.from_config(lm_config, dtype=lm_config.dtype)
+            return apply_lora(copy, cfg.lora)
+
+        export_pretrained(
+            engine.module, cfg.zero.stage, build_copy, tokenizer, info.run_dir / "model"
+        )
+    summary = {
+        **final,
+        "train/loss": tracker.summary_metrics.get("train/loss", math.nan),
+        **speed.metrics(),
+        "perf/peak_mem_gb": _max_over_ranks(peak_memory_gb()),
+        "perf/wall_s": time.perf_counter() - started,
+        "train/steps": state.global_step,
+    }
+    tracker.summary(summary)
+    tracker.close()
+    return summary
+
+
+def train_step(
+    engine, micro_batches: list[dict], shape: BatchShape, fp32_loss: bool
+) -> tuple[float, float, int]:
+    """One optimizer step over this rank's micro batches. Returns the global summed loss, the
+    global number of target tokens and the global number of real (non-padding) tokens."""
+    local_targets = sum(count_targets(b["labels"]) for b in micro_batches)
+    local_tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+    global_targets, global_tokens = all_reduce_sum(local_targets, local_tokens)
+    scale = token_loss_scale(global_targets, shape.world_size, shape.grad_accum)
+    device = model_device(engine)
+    local_nll = 0.0
+    for batch in micro_batches:
+        logits = engine(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            use_cache=False,
+        ).logits
+        nll = causal_lm_nll_sum(logits.float() if fp32_loss else logits, batch["labels"].to(device))
+        engine.backward(nll * scale)
+        engine.step()
+        local_nll += nll.item()
+    (global_nll,) = all_reduce_sum(local_nll)
+    return global_nll, global_targets, int(global_tokens)
+
+
+class Evaluator:
+    """eval/loss and eval/ppl per answer token (whatever sft.loss_on_prompt), and, where the
+    prompts have a checkable answer, eval/gold_accuracy of greedy answers."""
+
+    def __init__(self, cfg: Config, tokenizer, eval_rows, eot: int):
+        self.cfg, self.tokenizer, self.rows, self.eot = cfg, tokenizer, eval_rows, eot
+        self.gold_rows = _checkable_rows(eval_rows, cfg.sft.gold_eval_prompts)
+        self.sampling = Sampling(max_new_tokens=cfg.sft.gen_max_new_tokens, greedy=True)
+        self.samples: list[list[str]] = []
+
+    @torch.no_grad()
+    def __call__(self, engine) -> dict[str, float]:
+        engine.eval()
+        metrics = self.loss(engine)
+        if self.gold_rows:
+            metrics["eval/gold_accuracy"] = self.gold_accuracy(engine)
+        engine.train()
+        return metrics
+
+    def loss(self, engine) -> dict[str, float]:
+        device = model_device(engine)
+        nll = targets = 0.0
+        shards = eval_shards(
+            len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
+        )
+        for indices, valid in shards:
+            batch = sft_batch(_rows(self.rows, indices), self.tokenizer.pad_token_id, False)
+            batch["labels"][~torch.tensor(valid)] = IGNORE_INDEX
+            logits = engine(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                use_cache=False,
+            ).logits
+            nll += causal_lm_nll_sum(logits.float(), batch["labels"].to(device)).item()
+            targets += count_targets(batch["labels"])
+        nll, targets = all_reduce_sum(nll, targets)
+        loss = nll / max(targets, 1)
+        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+
+    def gold_accuracy(self, engine) -> float:
+        correct = 0
+        for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
+            rows = [self.gold_rows[i] for i in indices]
+            rollout = generate(
+                engine.module,
+                [r["prompt_ids"] for r in rows],
+                self.tokenizer.pad_token_id,
+                self.eot,
+                self.sampling,
+                synced_gpus=self.cfg.zero.stage == 3 and world_size() > 1,
+            )
+            answers = decode_responses(self.tokenizer, rollout)
+            for row, answer, ok in zip(rows, answers, valid):
+                correct += ok and gold_check(row["prompt"], answer)
+            self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
+        (correct,) = all_reduce_sum(correct)
+        return correct / len(self.gold_rows)
+
+
+def _rows(dataset, indices: list[int]) -> list[dict]:
+    columns = dataset[indices]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def _checkable_rows(eval_rows, limit: int) -> list[dict]:
+    """The first ``limit`` eval rows whose prompt has a gold answer (the toy task's)."""
+    out = []
+    for i, prompt in enumerate(eval_rows["prompt"]):
+        if len(out) == limit:
+            break
+        if gold_answer(prompt) is not None:
+            out.append({"prompt": prompt, "prompt_ids": eval_rows[i]["prompt_ids"]})
+    return out
+
+
+def _eval_due(cfg: Config, state: TrainState, plan: EpochPlan, total_steps: int) -> bool:
+    if state.global_step == total_steps:
+        return False  # the final evaluation follows
+    if cfg.step.eval_interval:
+        return state.global_step % cfg.step.eval_interval == 0
+    return state.step_in_epoch == 0  # end of an epoch
+
+
+def _max_over_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.item()

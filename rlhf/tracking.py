@@ -1,0 +1,148 @@
+"""Metrics: ``metrics.jsonl`` and ``summary.json`` always, W&B or TensorBoard on top; rank 0
+only. Other ranks get a tracker that does nothing, so recipes call it unconditionally."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.config import LoggerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Tracker:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggerConfig,
+        job_type: str,
+        run_name: str,
+        config: dict[str, Any],
+        group: str | None = None,
+        enabled: bool = True,
+    ):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.summary_metrics: dict[str, Any] = {}
+        self._wandb = self._tensorboard = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        if cfg.backend == "wandb":
+            self._wandb = _start_wandb(self.run_dir, cfg, job_type, run_name, config, group)
+        elif cfg.backend == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        self.summary_metrics.update(row)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """Sample generations: a JSONL file in the run dir, and a W&B table."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / f"{name.replace('/', '_')}.jsonl", "a") as f:
+            for values in rows:
+                f.write(json.dumps({"step": step, **dict(zip(columns, values))}) + "\n")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        self.summary_metrics.update({k: _plain(v) for k, v in metrics.items()})
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(self.summary_metrics, indent=2, sort_keys=True))
+        os.replace(tmp, self.run_dir / "summary.json")
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.summary.update(self.summary_metrics)
+            self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def wandb_mode(requested: str) -> str:
+    """'auto' logs online when an API key is known and offline otherwise (sync later with
+    ``wandb sync``), so runs never block on a login prompt."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def _start_wandb(
+    run_dir: Path,
+    cfg: LoggerConfig,
+    job_type: str,
+    run_name: str,
+    config: dict[str, Any],
+    group: str | None,
+):
+    import wandb
+
+    mode = wandb_mode(cfg.mode)
+    if mode == "offline" and cfg.mode == "auto":
+        log.warning(
+            "W&B: no API key found, logging offline to %s (upload with `wandb sync`)",
+            run_dir / "wandb",
+        )
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group or group,
+        job_type=job_type,
+        name=cfg.name or run_name,
+        tags=list(cfg.tags),
+        config=config,
+        dir=str(run_dir),
+        mode=mode,
+    )
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory allocated by torch, or on CPU the process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

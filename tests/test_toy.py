@@ -1,0 +1,286 @@
+"""The toy task (rlhf.data.toy), its gold checker and the shipped tiny tokenizer."""
+
+import random
+import re
+import statistics
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlhf.assets import TINY_TOKENIZER_DIR, build_tokenizer
+from rlhf.data import toy
+
+COLUMNS = {"prompt", "response", "chosen", "rejected", "task", "rejected_kind"}
+ARITH = re.compile(r"(\d+) (?:\+|plus|-|minus) (\d+)")
+
+
+@pytest.fixture(scope="module")
+def train_rows():
+    return toy.generate_toy_rows("train", 3000, seed=11, num_ranked=5)
+
+
+@pytest.fixture(scope="module")
+def test_rows():
+    return toy.generate_toy_rows("test", 1000, seed=11, num_ranked=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+
+
+# ------------------------------------------------------------------------------------------- generation
+def test_rows_are_a_pure_function_of_the_arguments():
+    a = toy.generate_toy_rows("train", 300, seed=5)
+    assert a == toy.generate_toy_rows("train", 300, seed=5)
+    assert a != toy.generate_toy_rows("train", 300, seed=6)
+    assert a[:100] == toy.generate_toy_rows(
+        "train", 100, seed=5
+    )  # one stream: a prefix is a prefix
+    ranked = toy.generate_toy_rows("train", 300, seed=5, num_ranked=3)
+    assert [{k: v for k, v in r.items() if k != "responses"} for r in ranked] == a
+
+
+def test_train_and_test_use_independent_streams():
+    train = toy.generate_toy_rows("train", 200, seed=5)
+    test = toy.generate_toy_rows("test", 200, seed=5)
+    assert [r["task"] for r in train] != [r["task"] for r in test]
+
+
+def test_test_prompts_are_never_train_prompts(train_rows, test_rows):
+    # The partition is fixed, so it holds across seeds too.
+    train_prompts = {r["prompt"] for r in train_rows} | {
+        r["prompt"] for r in toy.generate_toy_rows("train", 3000, seed=99)
+    }
+    assert not train_prompts & {r["prompt"] for r in test_rows}
+
+
+def test_arithmetic_operand_pairs_are_disjoint(train_rows, test_rows):
+    def pairs(rows, task):
+        return {ARITH.search(r["prompt"]).groups() for r in rows if r["task"] == task}
+
+    for task in ("add", "subtract"):
+        train, test = pairs(train_rows, task), pairs(test_rows, task)
+        assert len(test) >= 5 and len(train) >= 30
+        assert not train & test
+
+
+def test_schema_and_rm_static_format(train_rows):
+    for row in train_rows:
+        assert set(row) == COLUMNS | {"responses"}
+        assert re.fullmatch(r"\n\nHuman: [^\n]+\n\nAssistant:", row["prompt"]), row["prompt"]
+        assert row["response"] == row["chosen"]
+        assert row["chosen"].startswith(" ") and row["rejected"].startswith(" ")
+        assert row["chosen"] != row["rejected"]
+        assert row["task"] in toy.FAMILIES and row["rejected_kind"] in toy.REJECTED_KINDS
+        assert row["responses"][0] == row["chosen"] and len(set(row["responses"])) == 5
+    assert {r["task"] for r in train_rows} == set(toy.FAMILIES)
+    assert {r["rejected_kind"] for r in train_rows} == set(toy.REJECTED_KINDS)
+
+
+def test_rows_are_short_sentences(train_rows):
+    for row in train_rows:
+        assert len((row["prompt"] + row["chosen"]).split()) < 25
+        assert row["chosen"].endswith(".")
+
+
+def test_every_chosen_passes_and_every_rejected_fails(train_rows, test_rows):
+    for row in train_rows + test_rows:
+        assert toy.gold_check(row["prompt"], row["chosen"]), row
+        assert not toy.gold_check(row["prompt"], row["rejected"]), row
+        assert [toy.gold_check(row["prompt"], r) for r in row["responses"]] == [True] + [False] * 4
+        answer = toy.gold_answer(row["prompt"])
+        assert answer is not None and answer in row["chosen"]
+
+
+def test_rejected_kinds_look_like_their_names(train_rows):
+    for row in train_rows:
+        chosen, rejected, kind = row["chosen"], row["rejected"], row["rejected_kind"]
+        if kind == "truncated":
+            assert chosen.startswith(rejected) and not rejected.endswith(".")
+        elif kind == "wrong":  # same sentence, another value
+            assert chosen.split()[:2] == rejected.split()[:2]
+        elif kind == "off_topic":
+            assert any(
+                rejected.startswith(" " + f.answer.split("{")[0]) for f in toy.FAMILIES.values()
+            )
+
+
+def test_invalid_arguments_raise():
+    with pytest.raises(ValueError):
+        toy.generate_toy_rows("validation", 3)
+    with pytest.raises(ValueError):
+        toy.generate_toy_rows("train", 3, num_ranked=6)
+
+
+def test_toy_dataset_matches_rows():
+    ds = toy.toy_dataset("test", 50, seed=3, num_ranked=2)
+    assert len(ds) == 50 and set(ds.column_names) == COLUMNS | {"responses"}
+    assert ds.to_list() == toy.generate_toy_rows("test", 50, seed=3, num_ranked=2)
+
+
+def test_toy_corpus_states_train_facts():
+    corpus = toy.toy_corpus(500, seed=2)
+    assert corpus == toy.toy_corpus(500, seed=2) and corpus != toy.toy_corpus(500, seed=3)
+    sentences = {f.sentence(i) for f in toy.FAMILIES.values() for i in f.instances}
+    assert set(corpus) <= sentences
+    assert len(set(corpus)) > 100
+
+
+def test_prompts_are_unique_across_families():
+    count = sum(len(f.instances) * len(f.questions) for f in toy.FAMILIES.values())
+    assert len(toy._prompt_index()) == count
+
+
+# ------------------------------------------------------------------------------------------- gold check
+ADD = toy.toy_prompt("What is 3 + 4?")
+CAPITAL = toy.toy_prompt("What is the capital of France?")
+OPPOSITE = toy.toy_prompt("What is the opposite of hot?")
+LETTER = toy.toy_prompt("What is the first letter of tree?")
+UPPER = toy.toy_prompt("Write the word moon in capital letters.")
+MONTH = toy.toy_prompt("What month comes after April?")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "response", "expected"),
+    [
+        (ADD, " 3 + 4 = 7.", True),
+        (ADD, " 7", True),
+        (ADD, "The answer is 7!", True),
+        (ADD, " 3 + 4 = 7.\n\nHuman: What is 5 + 5?\n\nAssistant: 10", True),  # run-on ignored
+        (ADD, " 3 + 4 = 7.Human: 8", True),
+        (ADD, " 3 + 4 = 7.</s> 8 9", True),
+        (ADD, " 3 + 4 = 07.0", True),
+        (ADD, " 3 + 4 = 8.", False),
+        (ADD, " 3 + 4 = 7 or 8.", False),  # a competing value
+        (ADD, " 7, no wait, 8.", False),
+        (ADD, " 3 + 4 = 17.", False),  # whole numbers only
+        (ADD, " 3 + 4 = 7.5", False),
+        (ADD, " 3 + 4 = -7", False),
+        (ADD, " 3 + 4 =", False),  # truncated
+        (ADD, "\n\nHuman: 3 + 4 = 7", False),  # nothing before the run-on
+        (ADD, "", False),
+        (ADD, "   \n ", False),
+        (ADD, " 7. Figure it out yourself.", False),  # rude
+        (ADD, " What a stupid question. 7", False),
+        (CAPITAL, " The capital of France is Paris.", True),
+        (CAPITAL, " paris", True),
+        (CAPITAL, " The capital of France is Parisian.", False),
+        (CAPITAL, " The capital of France is Paris, or Rome.", False),
+        (CAPITAL, " The capital of France is", False),
+        (OPPOSITE, " The opposite of hot is cold.", True),
+        (OPPOSITE, " The opposite of cold is hot.", False),  # the last value counts
+        (OPPOSITE, " The opposite of hot is hot.", False),
+        (LETTER, " The first letter of tree is T.", True),
+        (LETTER, " The first letter of tree is t.", False),  # case-sensitive
+        (LETTER, " The first letter of tree is T or R.", False),
+        (LETTER, " I think it is T.", True),  # "I" is a pronoun, not a letter
+        (UPPER, " In capital letters, moon is MOON.", True),
+        (UPPER, " In capital letters, moon is moon.", False),
+        (UPPER, " In capital letters, moon is MOONS.", False),
+        (MONTH, " The month after April is May.", True),
+        (MONTH, " The month after April is June.", False),
+        (toy.toy_prompt("What is the capital of Atlantis?"), " Paris.", False),  # not a toy prompt
+        ("", " 7", False),
+    ],
+)
+def test_gold_check_cases(prompt, response, expected):
+    assert toy.gold_check(prompt, response) is expected
+
+
+def test_gold_check_reads_the_last_human_turn():
+    prompt = "\n\nHuman: Hi there\n\nAssistant: Hello!" + ADD
+    assert toy.gold_answer(prompt) == "7"
+    assert toy.gold_check(prompt, " 3 + 4 = 7.")
+
+
+def test_gold_check_never_raises_on_arbitrary_output():
+    rng = random.Random(0)
+    alphabet = "abcXYZ 0123456789+-=.,!?\n:é日🤖" + "Human:" + "</s>"
+    junk = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(300)]
+    junk += ["9" * 10000, "-" * 50 + "1", "\x00\ufffd", None, 7, b"7"]
+    for text in junk:
+        assert toy.gold_check(ADD, text) in (True, False)
+        assert toy.gold_check(text, " 7") is False or text == ADD
+    assert toy.gold_check(None, None) is False
+
+
+def test_gold_answer_values():
+    assert toy.gold_answer(ADD) == "7"
+    assert toy.gold_answer(CAPITAL) == "Paris"
+    assert toy.gold_answer(toy.toy_prompt("How many legs does a spider have?")) == "8"
+    assert toy.gold_answer(UPPER) == "MOON"
+    assert toy.gold_answer(toy.toy_prompt("Which day follows Sunday?")) == "Monday"
+    assert toy.gold_answer("\n\nHuman: Tell me a joke.\n\nAssistant:") is None
+
+
+def test_gold_accuracy():
+    prompts = [ADD, CAPITAL, OPPOSITE, LETTER]
+    responses = [" 3 + 4 = 7.", " Rome.", " cold", " T"]
+    assert toy.gold_accuracy(prompts, responses) == pytest.approx(0.75)
+    assert toy.gold_accuracy([], []) == 0.0
+    with pytest.raises(ValueError):
+        toy.gold_accuracy(prompts, responses[:2])
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+def test_tokenizer_follows_opt_conventions(tokenizer):
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2, 3]) == ["<s>", "<pad>", "</s>", "<unk>"]
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
+        "</s>",
+        "</s>",
+        "<pad>",
+    )
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 2, 1)
+    assert tokenizer.unk_token_id == 3
+    assert tokenizer.padding_side == "right"
+    assert tokenizer.model_max_length == build_tokenizer.MODEL_MAX_LENGTH
+    assert len(tokenizer) == build_tokenizer.VOCAB_SIZE
+
+
+def test_tokenizer_prepends_bos_and_appends_no_eos(tokenizer):
+    ids = tokenizer("The capital of France is Paris.").input_ids
+    assert ids[0] == 2 and ids[-1] != 2 and ids.count(2) == 1
+    plain = tokenizer("The capital of France is Paris.", add_special_tokens=False).input_ids
+    assert ids == [2, *plain]
+    batch = tokenizer(["a", "a longer text"], padding=True)
+    assert batch.input_ids[0][:2] == [2, tokenizer("a", add_special_tokens=False).input_ids[0]]
+    assert batch.input_ids[0][-1] == 1 and batch.attention_mask[0][-1] == 0
+
+
+def test_tokenizer_round_trips_any_text(tokenizer):
+    rng = random.Random(1)
+    texts = ["Grüße aus Köln! 日本語のテキスト 🤖🚀 ∑x² ≠ ½", "\t tabs\n\nand  spaces ", "Ω" * 20]
+    texts += ["".join(chr(rng.randint(32, 0x2FFF)) for _ in range(40)) for _ in range(50)]
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        assert 3 not in ids  # byte-level: never unknown
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_toy_rows_are_few_tokens(tokenizer, test_rows):
+    prompt_len = [len(tokenizer(r["prompt"]).input_ids) for r in test_rows]
+    chosen_len = [
+        len(tokenizer(r["chosen"], add_special_tokens=False).input_ids) for r in test_rows
+    ]
+    print(
+        f"prompt tokens: mean {statistics.mean(prompt_len):.1f} max {max(prompt_len)}; "
+        f"chosen tokens: mean {statistics.mean(chosen_len):.1f} max {max(chosen_len)}"
+    )
+    assert max(prompt_len) <= 24 and max(chosen_len) <= 12
+    assert max(p + c for p, c in zip(prompt_len, chosen_len, strict=True)) <= 32
+    # Every answer value is one token, so a model predicts an answer in a single step.
+    for row in test_rows:
+        value = toy.gold_answer(row["prompt"])
+        assert len(tokenizer(" " + value, add_special_tokens=False).input_ids) == 1, value
+
+
+def test_shipped_tokenizer_equals_a_fresh_build(tmp_path):
+    # Determinism, and a reminder to rebuild when the toy task changes.
+    build_tokenizer.save(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        fresh, shipped = (tmp_path / name).read_bytes(), (TINY_TOKENIZER_DIR / name).read_bytes()
+        assert fresh == shipped, f"{name} is stale: run python -m rlhf.assets.build_tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in TINY_TOKENIZER_DIR.iterdir()
+    )
