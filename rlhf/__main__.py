@@ -7,6 +7,7 @@ and only rank 0 writes logs, metrics and exports.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -55,21 +56,23 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 def run_step(
     config: Config, run_dir: Path, run_name: str, group: str | None, resolved: dict
 ) -> float | None:
-    """Set up the process group, run ``config.step.name``, tear down (also on errors)."""
+    """Join the process group and run ``config.step.name``."""
     from rlhf import engine
     from rlhf.steps import STEPS
     from rlhf.steps.common import RunInfo
 
     try:
         device = engine.device_type(config.device)
-        engine.init_distributed(device)
+        engine.init_distributed(device)  # torn down at exit
         _quiet_libraries(is_main=engine.is_main())
         info = RunInfo(run_dir=run_dir, run_name=run_name, group=group, config=resolved)
         summary = STEPS[config.step.name](config, info)
     except ConfigError as err:
-        engine.teardown()
-        _fail(err)
-    engine.teardown()
+        _fail(err)  # every rank sees the same config, so every rank fails alike
+    except BaseException:
+        engine.mark_crashed()
+        raise
+    gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
 
 

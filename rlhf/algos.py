@@ -299,6 +299,19 @@ class AdaptiveKLController:
 # ---------------------------------------------------------------- reward model
 
 
+def sequence_scores(
+    values: Tensor, attention_mask: Tensor, response_mask: Tensor, position: str
+) -> Tensor:
+    """One reward per sequence from per-token values (B, T): "last" reads the last real token (the
+    end-of-text the data appends; found from the attention mask, so left or right padding and a BOS
+    that equals the pad id do not move it); "mean" averages over response_mask (B, T)."""
+    if position == "last":
+        return last_true_value(values, attention_mask)
+    if position == "mean":
+        return masked_mean(values, response_mask, dim=1)
+    raise ValueError(f"score position must be 'last' or 'mean', got {position!r}")
+
+
 def pairwise_ranking_loss(
     chosen_scores: Tensor, rejected_scores: Tensor, margin: float = 0.0
 ) -> Tensor:

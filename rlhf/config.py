@@ -106,6 +106,7 @@ class SourceConfig:
     prompt_template: str = "{prompt}"  # local: how a raw prompt becomes the model's prompt
     num_rows: int = 0  # toy: rows generated for train (eval gets a tenth); others: cap, 0 = all
     seed: int = 1234  # toy: generator seed
+    num_ranked: int = 0  # toy: add a `responses` column of K answers ranked best to worst
 
     def problems(self) -> list[tuple[str, Any, str]]:
         from rlhf.data.sources import source_problems
@@ -275,6 +276,41 @@ class SFTConfig:
         return out
 
 
+REWARD_LOSSES = ("pairwise", "mse", "divergence_span", "listwise")
+SCORE_POSITIONS = ("last", "mean")
+
+
+@dataclass
+class RewardConfig:
+    """Step 2: a reward model (backbone + scalar head) trained on preference pairs."""
+
+    score_position: str = "last"  # last: the last real token (the end-of-text); mean: response mean
+    loss: str = "pairwise"  # pairwise | mse | divergence_span | listwise (data with `responses`)
+    margin: float = 0.0  # pairwise: -log sigmoid(chosen - rejected - margin)
+    mse_targets: list[float] = field(default_factory=lambda: [1.0, -1.0])  # mse: chosen, rejected
+    gold_policy: str | None = None  # a causal LM dir (the SFT export): score its sampled answers
+    gold_eval_prompts: int = 128  # prompts answered by gold_policy for eval/gold_score_corr
+    gen_max_new_tokens: int = 32
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.score_position not in SCORE_POSITIONS:
+            out.append(
+                ("score_position", self.score_position, f"one of {', '.join(SCORE_POSITIONS)}")
+            )
+        if self.loss not in REWARD_LOSSES:
+            out.append(("loss", self.loss, f"one of {', '.join(REWARD_LOSSES)}"))
+        if self.loss == "divergence_span" and self.score_position != "last":
+            out.append(("score_position", self.score_position, "last with loss=divergence_span"))
+        if len(self.mse_targets) != 2:
+            out.append(("mse_targets", list(self.mse_targets), "two floats: chosen, rejected"))
+        if self.gold_policy is not None and not os.path.isdir(self.gold_policy):
+            out.append(("gold_policy", self.gold_policy, "null or an existing model directory"))
+        if self.gold_eval_prompts < 0:
+            out.append(("gold_eval_prompts", self.gold_eval_prompts, "an integer >= 0"))
+        return out
+
+
 @dataclass
 class Config:
     step: StepConfig = field(default_factory=StepConfig)
@@ -285,6 +321,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts

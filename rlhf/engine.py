@@ -3,6 +3,7 @@ of the Hydra config, the optimizer and scheduler, and ``deepspeed.initialize``."
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -67,12 +68,24 @@ def init_distributed(device: str, timeout_s: int = 1800) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(teardown)
+
+
+_crashed = False
+
+
+def mark_crashed() -> None:
+    """An exception is on its way out: tear down without waiting for ranks that may be gone."""
+    global _crashed
+    _crashed = True
 
 
 def teardown() -> None:
-    """Barrier then destroy, so no rank exits while another still talks to it (gloo aborts)."""
+    """Barrier then destroy, so no rank exits while another still talks to it (gloo aborts).
+    Runs at exit, not after each job: Hydra's in-process multirun reuses the process group."""
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        if not _crashed:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
 
 from rlhf.config import ConfigError, LoraConfig, ModelConfig
 from rlhf.engine import TORCH_DTYPES, barrier, is_main
@@ -82,8 +88,10 @@ def load_tokenizer(model: ModelConfig, path: str) -> PreTrainedTokenizerBase:
         model.tokenizer if model.path is not None and model.tokenizer else path,
         trust_remote_code=model.trust_remote_code,
     )
-    if tokenizer.pad_token is None:  # LLaMA-style tokenizers: pad with EOS, masks do the rest
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # A pad distinct from end-of-text keeps AutoModelForSequenceClassification (which
+        # scores the last non-pad token) reading the reward where the trainer does.
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})
     eot = model.end_of_text_token
     if eot is not None and eot not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [eot]})
@@ -138,6 +146,51 @@ def load_causal_lm(
     if model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return lm
+
+
+class ValueModel(torch.nn.Module):
+    """A scalar per token: a sequence-classification model's backbone (its last hidden states)
+    through its ``score`` head. The reward model and the critic. ``hf`` stays a plain
+    ``AutoModelForSequenceClassification`` (num_labels=1), so exports load anywhere; reading
+    its output at the last real token is exactly what that class returns when pad != EOS."""
+
+    def __init__(self, hf: torch.nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids and mask, left or right padded -> (B, T) values."""
+        inner = self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
+        backbone = getattr(inner, inner.base_model_prefix)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return inner.score(hidden).squeeze(-1).float()
+
+
+def load_value_model(
+    model: ModelConfig, path: str, tokenizer, dtype: str, ds_config: dict | None = None
+) -> ValueModel:
+    """A ValueModel from a causal LM (new random head) or a reward-model export (its head)."""
+    config = model_config(model, path)
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id
+    with zero3_init(ds_config):
+        hf = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            config=config,
+            dtype=TORCH_DTYPES[dtype],
+            trust_remote_code=model.trust_remote_code,
+        )
+        if len(tokenizer) > hf.get_input_embeddings().num_embeddings:
+            hf.resize_token_embeddings(_round_up(len(tokenizer), 8))
+    if model.gradient_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return ValueModel(hf)
 
 
 def lora_target(lora: LoraConfig) -> str:

@@ -111,3 +111,40 @@ def token_loss_scale(global_tokens: int, world_size: int, grad_accum: int) -> fl
     the step's gradient is that of (sum of all token losses) / (all tokens of the global batch):
     DeepSpeed divides by grad_accum in backward and averages gradients over ranks."""
     return world_size * grad_accum / max(global_tokens, 1)
+
+
+def pair_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> 2B right-padded sequences, chosen first then rejected (DeepSpeed-Chat's layout),
+    with ``response_mask`` True on answer tokens."""
+    seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows]
+    seqs += [r["prompt_ids"] + r["rejected_ids"] for r in rows]
+    prompt_lens = [len(r["prompt_ids"]) for r in rows] * 2
+    return _with_response_mask(seqs, prompt_lens, pad_id)
+
+
+def ranked_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """B prompts with up to K ranked answers -> B*K sequences (row-major) and ``valid`` (B, K);
+    missing answers repeat the prompt's first one and are marked invalid."""
+    width = max(len(r["responses_ids"]) for r in rows)
+    seqs, prompt_lens, valid = [], [], []
+    for r in rows:
+        answers = r["responses_ids"]
+        for k in range(width):
+            seqs.append(r["prompt_ids"] + answers[min(k, len(answers) - 1)])
+            prompt_lens.append(len(r["prompt_ids"]))
+            valid.append(k < len(answers))
+    batch = _with_response_mask(seqs, prompt_lens, pad_id)
+    batch["valid"] = torch.tensor(valid).view(len(rows), width)
+    return batch
+
+
+def _with_response_mask(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict:
+    input_ids, attention_mask = right_pad(seqs, pad_id)
+    positions = torch.arange(input_ids.shape[1])
+    starts = torch.tensor(prompt_lens).unsqueeze(1)
+    response_mask = (positions >= starts) & attention_mask.bool()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+    }

@@ -50,6 +50,7 @@ from typing import Any
 
 import datasets
 
+from rlhf.config import ConfigError
 from rlhf.data.split import train_eval_indices
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -61,7 +62,7 @@ _SAVED_MARKERS = ("state.json", "dataset_dict.json")
 _PATHLIKE_SUFFIXES = (*LOCAL_EXTENSIONS, ".csv", ".txt", ".arrow", ".tsv")
 
 
-class SourceError(ValueError):
+class SourceError(ConfigError):
     """A raw dataset that cannot be used as configured (wrong columns, missing split, bad settings)."""
 
 
@@ -299,6 +300,9 @@ def source_problems(source: Any) -> list[tuple[str, Any, str]]:
         out.append(("num_rows", source.num_rows, "an integer >= 10 (toy train rows to generate)"))
     if not 0.0 < source.eval_fraction < 1.0:
         out.append(("eval_fraction", source.eval_fraction, "a float in (0, 1)"))
+    ranked_max = 5 if source.adapter == "toy" else 0
+    if not 0 <= getattr(source, "num_ranked", 0) <= ranked_max:
+        out.append(("num_ranked", source.num_ranked, f"an integer in 0..{ranked_max} (toy only)"))
     if source.eval_split is not None and source.eval_split == source.train_split:
         out.append(("eval_split", source.eval_split, "another split than train_split, or null"))
     return out + _mapping_problems(source) + _path_problems(source, adapter)
@@ -332,7 +336,7 @@ def _toy_split(source: Any, name: str) -> datasets.Dataset:
     from rlhf.data.toy import toy_dataset  # the toy task imports heavier helpers; load on demand
 
     size = source.num_rows if name == source.train_split else max(source.num_rows // 10, 1)
-    return toy_dataset(name, size, source.seed)
+    return toy_dataset(name, size, source.seed, num_ranked=source.num_ranked)
 
 
 def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:

@@ -26,7 +26,7 @@ from rlhf.data.batching import (
     token_loss_scale,
 )
 from rlhf.data.pipeline import phase_dataset
-from rlhf.data.toy import gold_answer, gold_check
+from rlhf.data.toy import gold_check
 from rlhf.engine import (
     BatchShape,
     device_type,
@@ -45,7 +45,17 @@ from rlhf.models import (
     load_tokenizer,
     model_path,
 )
-from rlhf.steps.common import RunInfo, Throughput, TrainState, all_reduce_sum, model_device
+from rlhf.steps.common import (
+    RunInfo,
+    Throughput,
+    TrainState,
+    all_reduce_sum,
+    checkable_rows,
+    eval_due,
+    max_over_ranks,
+    model_device,
+    rows_at,
+)
 from rlhf.tracking import Tracker, peak_memory_gb
 
 log = logging.getLogger(__name__)
@@ -117,7 +127,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     window_nll = window_tokens = 0.0
     while state.global_step < total_steps:
         micro_batches = [
-            sft_batch(_rows(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt)
+            sft_batch(rows_at(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt)
             for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
         ]
         speed.start()
@@ -139,7 +149,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                 loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
             )
             window_nll = window_tokens = 0.0
-        if _eval_due(cfg, state, plan, total_steps):
+        if eval_due(cfg.step.eval_interval, state, total_steps):
             log_eval()
     bar.close()
 
@@ -158,7 +168,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         **final,
         "train/loss": tracker.summary_metrics.get("train/loss", math.nan),
         **speed.metrics(),
-        "perf/peak_mem_gb": _max_over_ranks(peak_memory_gb()),
+        "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
         "perf/wall_s": time.perf_counter() - started,
         "train/steps": state.global_step,
     }
@@ -198,7 +208,7 @@ class Evaluator:
 
     def __init__(self, cfg: Config, tokenizer, eval_rows, eot: int):
         self.cfg, self.tokenizer, self.rows, self.eot = cfg, tokenizer, eval_rows, eot
-        self.gold_rows = _checkable_rows(eval_rows, cfg.sft.gold_eval_prompts)
+        self.gold_rows = checkable_rows(eval_rows, cfg.sft.gold_eval_prompts)
         self.sampling = Sampling(max_new_tokens=cfg.sft.gen_max_new_tokens, greedy=True)
         self.samples: list[list[str]] = []
 
@@ -218,7 +228,7 @@ class Evaluator:
             len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
         )
         for indices, valid in shards:
-            batch = sft_batch(_rows(self.rows, indices), self.tokenizer.pad_token_id, False)
+            batch = sft_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id, False)
             batch["labels"][~torch.tensor(valid)] = IGNORE_INDEX
             logits = engine(
                 input_ids=batch["input_ids"].to(device),
@@ -249,34 +259,3 @@ class Evaluator:
             self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
         (correct,) = all_reduce_sum(correct)
         return correct / len(self.gold_rows)
-
-
-def _rows(dataset, indices: list[int]) -> list[dict]:
-    columns = dataset[indices]
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
-
-
-def _checkable_rows(eval_rows, limit: int) -> list[dict]:
-    """The first ``limit`` eval rows whose prompt has a gold answer (the toy task's)."""
-    out = []
-    for i, prompt in enumerate(eval_rows["prompt"]):
-        if len(out) == limit:
-            break
-        if gold_answer(prompt) is not None:
-            out.append({"prompt": prompt, "prompt_ids": eval_rows[i]["prompt_ids"]})
-    return out
-
-
-def _eval_due(cfg: Config, state: TrainState, plan: EpochPlan, total_steps: int) -> bool:
-    if state.global_step == total_steps:
-        return False  # the final evaluation follows
-    if cfg.step.eval_interval:
-        return state.global_step % cfg.step.eval_interval == 0
-    return state.step_in_epoch == 0  # end of an epoch
-
-
-def _max_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if world_size() > 1:
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor.item()

@@ -1,0 +1,377 @@
+"""Step 2: reward-model training on preference pairs (or K ranked answers per prompt).
+
+DeepSpeed-Chat's step2_reward_model_finetuning/main.py, with the score read where step 3 will
+read it (the last real token, found from the attention mask, not from pad-token ids), an
+export that loads as ``AutoModelForSequenceClassification``, and the eval-set score statistics
+saved beside it for reward normalisation in PPO.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
+
+from rlhf import algos
+from rlhf.config import Config, ConfigError
+from rlhf.data.batching import EpochPlan, eval_shards, pair_batch, ranked_batch
+from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
+from rlhf.data.toy import gold_check
+from rlhf.engine import (
+    BatchShape,
+    device_type,
+    ds_config,
+    initialize,
+    rank,
+    resolve_dtype,
+    world_size,
+)
+from rlhf.generation import Sampling, decode_responses, generate
+from rlhf.models import (
+    apply_lora,
+    end_of_text_id,
+    export_pretrained,
+    load_tokenizer,
+    load_value_model,
+    model_path,
+)
+from rlhf.steps.common import (
+    RunInfo,
+    Throughput,
+    TrainState,
+    all_reduce_sum,
+    checkable_rows,
+    eval_due,
+    max_over_ranks,
+    model_device,
+    rows_at,
+)
+from rlhf.tracking import Tracker, peak_memory_gb
+
+log = logging.getLogger(__name__)
+
+STATS_FILE = "reward_stats.json"
+
+
+def run(cfg: Config, info: RunInfo) -> dict[str, float]:
+    started = time.perf_counter()
+    device = device_type(cfg.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    set_seed(cfg.seed)
+
+    # 1. tokenizer and data
+    path = model_path(cfg.model, cfg.cache_dir)
+    tokenizer = load_tokenizer(cfg.model, path)
+    eot = end_of_text_id(cfg.model, tokenizer)
+    train_rows = phase_dataset(cfg.data, "reward", "train", tokenizer, eot).with_format("python")
+    eval_rows = phase_dataset(cfg.data, "reward", "eval", tokenizer, eot).with_format("python")
+    if cfg.reward.loss == "listwise" and "responses_ids" not in train_rows.column_names:
+        raise ConfigError(
+            "reward.loss='listwise': the data has no ranked `responses` column "
+            "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
+        )
+    shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
+    plan = EpochPlan(
+        len(train_rows), shape.micro_batch_size, shape.world_size, shape.grad_accum, cfg.data.seed
+    )
+    if plan.steps_per_epoch == 0:
+        raise ConfigError(
+            f"data: the reward phase has {len(train_rows)} training pairs, fewer than one global "
+            f"batch ({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)"
+        )
+    total_steps = plan.steps_per_epoch * cfg.optim.epochs
+    if cfg.step.max_steps > 0:
+        total_steps = min(total_steps, cfg.step.max_steps)
+
+    # 2. model and engine: backbone + scalar head; LoRA leaves the head fully trainable
+    ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
+    model = load_value_model(
+        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None
+    )
+    hf_config = model.hf.config
+    model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])
+    engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    log.info(
+        "reward: %d train / %d eval pairs, %d steps of %d pairs, loss %s, ZeRO-%d on %d rank(s)",
+        len(train_rows),
+        len(eval_rows),
+        total_steps,
+        plan.global_batch_size,
+        cfg.reward.loss,
+        cfg.zero.stage,
+        shape.world_size,
+    )
+
+    tracker = Tracker(
+        info.run_dir,
+        cfg.logger,
+        "reward",
+        info.run_name,
+        info.config,
+        info.group,
+        enabled=rank() == 0,
+    )
+    evaluate = PairEvaluator(cfg, tokenizer, eval_rows)
+    state = TrainState()
+
+    def log_eval() -> dict[str, float]:
+        metrics = evaluate(engine)
+        tracker.log(metrics, step=state.global_step)
+        return metrics
+
+    # 3. the untrained head, for the 'before' figures
+    if cfg.step.eval_at_start:
+        tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
+
+    # 4. train
+    bar = tqdm(total=total_steps, desc="reward", disable=rank() != 0 or not cfg.logger.progress_bar)
+    speed = Throughput()
+    window_loss = window_acc = window_steps = 0.0
+    while state.global_step < total_steps:
+        micro_rows = [
+            rows_at(train_rows, indices)
+            for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+        ]
+        speed.start()
+        loss, accuracy, tokens = train_step(engine, micro_rows, cfg, tokenizer.pad_token_id)
+        speed.stop(tokens, plan.global_batch_size)
+        state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
+        window_loss, window_acc, window_steps = (
+            window_loss + loss,
+            window_acc + accuracy,
+            window_steps + 1,
+        )
+        bar.update()
+
+        if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
+            metrics = {
+                "train/loss": window_loss / window_steps,
+                "train/accuracy": window_acc / window_steps,
+                "train/lr": engine.get_lr()[0],
+                "train/epoch": state.global_step / plan.steps_per_epoch,
+                **speed.metrics(),
+            }
+            tracker.log(metrics, step=state.global_step)
+            bar.set_postfix(
+                loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}"
+            )
+            window_loss = window_acc = window_steps = 0.0
+        if eval_due(cfg.step.eval_interval, state, total_steps):
+            log_eval()
+    bar.close()
+
+    # 5. final evaluation, score-vs-gold check, export with the score statistics
+    final = log_eval()
+    if cfg.reward.gold_policy:
+        gold = gold_correlation(engine, cfg, tokenizer, eval_rows, eot)
+        tracker.log(gold, step=state.global_step)
+        final.update(gold)
+    if cfg.step.save_model:
+
+        def build_copy():
+            copy = AutoModelForSequenceClassification.from_config(hf_config, dtype=hf_config.dtype)
+            return apply_lora(copy, cfg.lora, modules_to_save=["score"])
+
+        stats = {
+            "mean": final["eval/score_mean"],
+            "std": final["eval/score_std"],
+            "score_position": cfg.reward.score_position,
+            "end_of_text_id": eot,
+            "eval/accuracy": final["eval/accuracy"],
+        }
+        export_pretrained(
+            engine.module.hf,
+            cfg.zero.stage,
+            build_copy,
+            tokenizer,
+            info.run_dir / "model",
+            extra_files={STATS_FILE: stats},
+        )
+    summary = {
+        **final,
+        "train/loss": tracker.summary_metrics.get("train/loss", math.nan),
+        **speed.metrics(),
+        "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
+        "perf/wall_s": time.perf_counter() - started,
+        "train/steps": state.global_step,
+    }
+    tracker.summary(summary)
+    tracker.close()
+    return summary
+
+
+def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence scores of a pair_batch / ranked_batch and the configured loss."""
+    device = model_device(engine)
+    values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    attention_mask, response_mask = (
+        batch["attention_mask"].to(device),
+        batch["response_mask"].to(device),
+    )
+    scores = algos.sequence_scores(values, attention_mask, response_mask, cfg.reward.score_position)
+    if cfg.reward.loss == "listwise":
+        valid = batch["valid"].to(device)
+        return scores, algos.listwise_ranking_loss(scores.view(valid.shape), valid)
+    chosen, rejected = scores.chunk(2)
+    if cfg.reward.loss == "pairwise":
+        loss = algos.pairwise_ranking_loss(chosen, rejected, cfg.reward.margin)
+    elif cfg.reward.loss == "mse":
+        target_c, target_r = cfg.reward.mse_targets
+        loss = algos.mse_reward_loss(
+            scores,
+            torch.cat([torch.full_like(chosen, target_c), torch.full_like(rejected, target_r)]),
+        )
+    else:  # divergence_span
+        ids = batch["input_ids"].to(device)
+        (c_ids, r_ids), (c_val, r_val), (c_mask, r_mask) = (
+            ids.chunk(2),
+            values.chunk(2),
+            attention_mask.chunk(2),
+        )
+        loss = algos.divergence_span_loss(c_ids, r_ids, c_val, r_val, c_mask, r_mask)
+    return scores, loss
+
+
+def train_step(
+    engine, micro_rows: list[list[dict]], cfg: Config, pad_id: int
+) -> tuple[float, float, int]:
+    """One optimizer step. Every micro batch holds the same number of prompts, so the mean of
+    per-micro-batch means is the global mean. Returns global loss, pair accuracy, real tokens."""
+    loss_sum = correct = pairs = tokens = 0.0
+    for rows in micro_rows:
+        listwise = cfg.reward.loss == "listwise"
+        batch = ranked_batch(rows, pad_id) if listwise else pair_batch(rows, pad_id)
+        scores, loss = scores_and_loss(engine, batch, cfg)
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.item()
+        if listwise:  # best vs worst valid answer
+            grid = scores.detach().view(batch["valid"].shape)
+            last = batch["valid"].long().sum(1) - 1
+            chosen, rejected = grid[:, 0], grid.gather(1, last.to(grid.device).unsqueeze(1))[:, 0]
+        else:
+            chosen, rejected = scores.detach().chunk(2)
+        correct += (chosen > rejected).sum().item()
+        pairs += len(rows)
+        tokens += batch["attention_mask"].sum().item()
+    loss_sum, correct, pairs, tokens = all_reduce_sum(loss_sum, correct, pairs, tokens)
+    return loss_sum / (len(micro_rows) * world_size()), correct / pairs, int(tokens)
+
+
+class PairEvaluator:
+    """eval/accuracy (chosen scored above rejected), the mean scores, their margin and spread."""
+
+    def __init__(self, cfg: Config, tokenizer, eval_rows):
+        self.cfg, self.tokenizer, self.rows = cfg, tokenizer, eval_rows
+
+    @torch.no_grad()
+    def __call__(self, engine) -> dict[str, float]:
+        engine.eval()
+        device = model_device(engine)
+        sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, chosen, rejected, s, s^2
+        for indices, valid in eval_shards(
+            len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
+        ):
+            batch = pair_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id)
+            values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            scores = (
+                algos.sequence_scores(
+                    values,
+                    batch["attention_mask"].to(device),
+                    batch["response_mask"].to(device),
+                    self.cfg.reward.score_position,
+                )
+                .double()
+                .cpu()
+            )
+            chosen, rejected = scores.chunk(2)
+            keep = torch.tensor(valid)
+            chosen, rejected = chosen[keep], rejected[keep]
+            both = torch.cat([chosen, rejected])
+            sums += torch.stack(
+                [
+                    torch.tensor(float(keep.sum())),
+                    (chosen > rejected).sum(),
+                    chosen.sum(),
+                    rejected.sum(),
+                    both.sum(),
+                    (both**2).sum(),
+                ]
+            )
+        pairs, correct, chosen, rejected, total, squares = all_reduce_sum(*sums.tolist())
+        mean = total / (2 * pairs)
+        engine.train()
+        return {
+            "eval/accuracy": correct / pairs,
+            "eval/chosen_score": chosen / pairs,
+            "eval/rejected_score": rejected / pairs,
+            "eval/margin": (chosen - rejected) / pairs,
+            "eval/score_mean": mean,
+            "eval/score_std": math.sqrt(max(squares / (2 * pairs) - mean**2, 0.0)),
+        }
+
+
+@torch.no_grad()
+def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dict[str, float]:
+    """Sample answers from ``reward.gold_policy`` (the SFT model) on held-out prompts with a
+    checkable answer, score them, and report the correlation of score with gold correctness:
+    does the learned reward agree with the checker on the answers PPO will start from?"""
+    policy_path = cfg.reward.gold_policy
+    policy_tokenizer = load_tokenizer(cfg.model, policy_path)
+    if tokenizer_fingerprint(policy_tokenizer) != tokenizer_fingerprint(tokenizer):
+        raise ConfigError(
+            f"reward.gold_policy={policy_path}: its tokenizer differs from the reward model's"
+        )
+    policy = AutoModelForCausalLM.from_pretrained(policy_path).to(model_device(engine))
+    rows = checkable_rows(eval_rows, cfg.reward.gold_eval_prompts)
+    sampling = Sampling(max_new_tokens=cfg.reward.gen_max_new_tokens)
+    engine.eval()
+    scores, gold = [], []
+    for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+        batch_rows = [rows[i] for i in indices]
+        rollout = generate(
+            policy,
+            [r["prompt_ids"] for r in batch_rows],
+            tokenizer.pad_token_id,
+            eot,
+            sampling,
+            synced_gpus=False,
+        )
+        device = model_device(engine)
+        values = engine(rollout.sequences.to(device), rollout.attention_mask.to(device))
+        full_response = torch.zeros_like(rollout.attention_mask, dtype=torch.bool)
+        full_response[:, rollout.prompt_width :] = rollout.response_mask
+        batch_scores = algos.sequence_scores(
+            values,
+            rollout.attention_mask.to(device),
+            full_response.to(device),
+            cfg.reward.score_position,
+        )
+        answers = decode_responses(tokenizer, rollout)
+        for row, answer, score, ok in zip(batch_rows, answers, batch_scores.tolist(), valid):
+            if ok:
+                scores.append(score)
+                gold.append(float(gold_check(row["prompt"], answer)))
+    engine.train()
+    gathered = [None] * world_size()
+    if world_size() > 1:
+        torch.distributed.all_gather_object(gathered, (scores, gold))
+    else:
+        gathered = [(scores, gold)]
+    scores = torch.tensor([s for part in gathered for s in part[0]], dtype=torch.float64)
+    gold = torch.tensor([g for part in gathered for g in part[1]], dtype=torch.float64)
+    corr = torch.corrcoef(torch.stack([scores, gold]))[0, 1].item() if gold.std() > 0 else math.nan
+    return {"eval/gold_score_corr": corr, "eval/gold_policy_accuracy": gold.mean().item()}
+
+
+def read_stats(model_dir: str | Path) -> dict | None:
+    """The score statistics a reward export carries (None for other models)."""
+    import json
+
+    path = Path(model_dir) / STATS_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,91 @@
+"""``python -m rlhf`` as a user meets it: help, printing the config, the launcher's flag, and bad
+values refused in a second or two with a message, not a traceback. Nothing trains here."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import cache_overrides, run_rlhf
+
+NO_TRACE = {"HYDRA_FULL_ERROR": "0"}  # Hydra's short messages, whatever the caller's shell says
+
+
+def _cfg_job(args: list[str]):
+    proc = run_rlhf([*args, "--cfg", "job"], check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return OmegaConf.create(proc.stdout)
+
+
+def test_help_lists_the_groups_and_their_options():
+    proc = run_rlhf(["--help"], check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for group, option in [
+        ("step", "sft"),
+        ("model", "opt-1.3b"),
+        ("data", "rm-static"),
+        ("zero", "stage3"),
+        ("lora", "r128"),
+        ("optim", "default"),
+        ("logger", "wandb"),
+        ("experiment", "opt-1.3b-350m"),
+    ]:
+        [line] = [ln for ln in lines if ln.startswith(f"{group}: ")]
+        assert option in line.split(": ", 1)[1].split(", ")
+    assert "--cfg job" in proc.stdout  # the footer's pointers
+
+
+def test_cfg_job_prints_the_composed_config():
+    cfg = _cfg_job(["step=sft", "zero=stage3", "lora=r8", "optim.lr=0.01", "data=[rm-static,shp]"])
+    assert cfg.step.name == "sft"
+    assert (cfg.zero.stage, cfg.lora.rank, cfg.optim.lr) == (3, 8, 0.01)
+    assert list(cfg.data.sources) == ["rm-static", "shp"]
+    assert cfg.model.name == "tiny"
+
+
+@pytest.mark.parametrize("flag", [["--local_rank=0"], ["--local_rank", "1"]])
+def test_deepspeed_launchers_local_rank_flag_is_accepted(flag):
+    cfg = _cfg_job([*flag, "zero=stage2"])
+    assert cfg.zero.stage == 2
+
+
+def test_sweep_file_is_found_from_the_command_line():
+    cfg = _cfg_job(["-cd", "sweeps", "-cn", "step1", "step1_lora=r128"])
+    assert (cfg.step.name, cfg.model.name) == ("sft", "opt-1.3b")
+    assert (cfg.lora.rank, cfg.optim.weight_decay) == (128, 0.1)
+
+
+BAD = [
+    # overrides, exit status, what stderr must name
+    (["zero.stage=5"], 2, "zero.stage=5"),
+    (["optim.scheduler=bogus"], 2, "optim.scheduler='bogus'"),
+    (["data.phase_split=[1,2]"], 2, "data.phase_split=[1, 2]"),
+    (["data=local", "data.sources.local.path=/nonexistent/pairs.jsonl"], 2, "/nonexistent/"),
+    (["experiment=opt-1.3b-350m", "step=sft", "model.dtype=fp64"], 2, "model.dtype='fp64'"),
+    (["optim.lrr=1"], 1, "optim.lrr"),  # Hydra: unknown key
+    (["optim.lr=abc"], 1, "optim.lr"),  # Hydra: wrong type
+    (["data=nonexistent"], 1, "data/nonexistent"),  # Hydra: unknown option
+]
+
+
+@pytest.mark.parametrize(("overrides", "status", "named"), BAD, ids=[b[0][-1] for b in BAD])
+def test_bad_value_fails_fast_with_a_message(overrides, status, named, tmp_path):
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    proc = run_rlhf(
+        [*overrides, *cache_overrides(cache)],
+        run_dir=run_dir,
+        check=False,
+        timeout=120,
+        extra_env=NO_TRACE,
+    )
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert named in proc.stderr
+    if status == 2:  # our validation: one "error:" line, then one line per problem
+        assert proc.stderr.startswith("error: ")
+        assert len(proc.stderr.strip().splitlines()) <= 3
+    # refused before anything was built or loaded
+    assert not (run_dir / "model").exists()
+    assert not (cache / "models").exists()
+    assert not (cache / "data").exists()

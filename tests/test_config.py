@@ -1,0 +1,250 @@
+"""Every config group option, experiment and sweep composes and validates; bad values are refused
+with a message naming the key, the value and what is accepted. In-process, nothing is built."""
+
+from __future__ import annotations
+
+import hydra
+import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhf.config import ConfigError, register_configs, to_config
+from tests.conftest import CONF_DIR, SWEEPS_DIR
+
+register_configs()
+
+# Groups whose options are chosen by name (experiment_step is selected through ${experiment}).
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+GROUPS.remove("experiment_step")
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+SWEEPS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
+
+
+def compose(overrides: list[str] = ()) -> DictConfig:
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose("config", list(overrides))
+
+
+def compose_sweep(name: str, overrides: list[str] = (), hydra_config: bool = False) -> DictConfig:
+    """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched."""
+    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
+        return hydra.compose(
+            name,
+            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
+            return_hydra_config=hydra_config,
+        )
+
+
+@pytest.fixture
+def local_file(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."}\n')
+    return path
+
+
+def _assert_contains(expected, actual, where: str) -> None:
+    """Every value of an option file reaches the composed config (??? placeholders aside)."""
+    if isinstance(expected, DictConfig):
+        for key in expected:
+            if key == "defaults" or OmegaConf.is_missing(expected, key):
+                continue
+            assert key in actual, f"{where}.{key} missing"
+            _assert_contains(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, ListConfig):
+        assert list(expected) == list(actual), where
+    else:
+        assert expected == actual, f"{where}: {actual!r}, the option says {expected!r}"
+
+
+# --- every option composes and validates ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option, local_file):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("data", "local"):
+        overrides.append(f"data.sources.local.path={local_file}")
+    cfg = compose(overrides)
+    to_config(cfg)  # raises ConfigError on any problem
+    path = CONF_DIR / group / f"{option}.yaml"
+    is_global = "@package _global_" in path.read_text().splitlines()[0]
+    _assert_contains(OmegaConf.load(path), cfg if is_global else cfg[group], group)
+
+
+def test_design_groups_have_their_options():
+    """The options DESIGN.md promises."""
+    promised = {
+        "step": "sft reward ppo all",
+        "model": "tiny opt-125m opt-350m opt-1.3b opt-6.7b opt-13b opt-66b llama-2-7b",
+        "data": "toy rm-static full-hh-rlhf synthetic-instruct-gptj-pairwise rlhf-reward-datasets "
+        "webgpt-comparisons shp local",
+        "zero": "stage0 stage1 stage2 stage3",
+        "lora": "none r8 r128",
+        "optim": "default",
+        "logger": "wandb tensorboard none",
+        "experiment": "opt-1.3b-350m",
+    }
+    for group, options in promised.items():
+        assert set(options.split()) <= {o for g, o in OPTIONS if g == group}, group
+
+
+def test_default_is_the_embedded_tiny_model_on_toy_data():
+    config = to_config(compose())
+    assert (config.model.name, config.model.path) == ("tiny", None)
+    assert list(config.data.sources) == ["toy"]
+
+
+def test_data_list_blends_sources_in_order():
+    config = to_config(compose(["data=[rm-static,full-hh-rlhf]"]))
+    assert list(config.data.sources) == ["rm-static", "full-hh-rlhf"]
+    assert [s.adapter for s in config.data.sources.values()] == ["rm-static", "full-hh-rlhf"]
+    reverse = to_config(compose(["data=[full-hh-rlhf,rm-static]"]))
+    assert list(reverse.data.sources) == ["full-hh-rlhf", "rm-static"]
+
+
+# --- experiment=opt-1.3b-350m ---------------------------------------------------------------
+
+
+def test_experiment_sft_has_the_published_step1_values():
+    c = to_config(compose(["experiment=opt-1.3b-350m", "step=sft"]))
+    assert (c.step.name, c.model.name, c.model.path) == ("sft", "opt-1.3b", "facebook/opt-1.3b")
+    assert c.model.dropout is None  # OPT's own dropout
+    assert list(c.data.sources) == [
+        "rm-static",
+        "full-hh-rlhf",
+        "synthetic-instruct-gptj-pairwise",
+        "rlhf-reward-datasets",
+    ]
+    assert list(c.data.phase_split) == [2, 4, 4]
+    assert (c.data.max_seq_len, c.data.seed, c.seed) == (512, 1234, 1234)
+    o = c.optim
+    assert (o.lr, o.weight_decay, o.epochs, o.scheduler) == (9.65e-6, 0.0, 16, "cosine")
+    assert (o.warmup_steps, o.warmup_ratio, o.grad_accum) == (0, 0.0, 1)
+    assert (o.micro_batch_size, o.eval_micro_batch_size) == (8, 8)
+    assert c.zero.stage == 2
+    assert c.lora.rank == 0
+    assert c.sft.loss_on_prompt is True
+
+
+def test_experiment_without_a_step_file_still_composes():
+    """experiment_step is optional: steps whose file has not landed get the shared values only."""
+    assert not (CONF_DIR / "experiment_step" / "opt-1.3b-350m" / "reward.yaml").exists()
+    c = to_config(compose(["experiment=opt-1.3b-350m", "step=reward"]))
+    assert (c.step.name, c.model.name, c.zero.stage) == ("reward", "opt-1.3b", 2)
+    assert c.optim.lr != 9.65e-6  # sft.yaml's values are not applied
+    assert not c.sft.loss_on_prompt
+
+
+def test_command_line_groups_win_over_the_experiment():
+    c = to_config(compose(["experiment=opt-1.3b-350m", "zero=stage3", "model=opt-350m"]))
+    assert (c.zero.stage, c.model.name) == (3, "opt-350m")
+    assert c.optim.lr == 9.65e-6  # the step's values stay
+
+
+# --- sweeps ----------------------------------------------------------------------------------
+
+
+def _sweep_params(name: str) -> dict[str, list[str]]:
+    params = compose_sweep(name, hydra_config=True).hydra.sweeper.params
+    parser = OverridesParser.create()
+    return {
+        key: list(parser.parse_override(f"{key}={value}").sweep_string_iterator())
+        for key, value in params.items()
+    }
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_composes_and_every_swept_value_exists(name):
+    cfg = compose_sweep(name, hydra_config=True)
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    params = _sweep_params(name)
+    assert params and all(len(values) >= 1 for values in params.values())
+    to_config(compose_sweep(name))
+    for key, values in params.items():
+        for value in values:
+            to_config(compose_sweep(name, [f"{key}={value}"]))
+
+
+def test_step1_sweep_is_deepspeed_chats_grid():
+    params = _sweep_params("step1")
+    swept = [
+        f"{k}={v}"
+        for k, v in compose_sweep("step1", hydra_config=True).hydra.sweeper.params.items()
+    ]
+    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(swept), None)
+    assert len({tuple(sorted(job)) for job in jobs}) == 8  # 8 distinct jobs, so 8 job dirs
+    assert params["zero"] == ["stage2", "stage3"]
+    assert [v.lower() for v in params["zero.offload"]] == ["false", "true"]
+    base = to_config(compose_sweep("step1"))
+    assert (base.step.name, base.model.name, base.optim.epochs) == ("sft", "opt-1.3b", 16)
+    [lora_axis] = set(params) - {"zero", "zero.offload"}
+    by_rank = {}
+    for value in params[lora_axis]:
+        c = to_config(compose_sweep("step1", [f"{lora_axis}={value}"]))
+        by_rank[c.lora.rank] = c
+    assert set(by_rank) == {0, 128}
+    full, lora = by_rank[0], by_rank[128]
+    assert (full.optim.lr, full.optim.weight_decay) == (9.65e-6, 0.0)
+    assert (lora.optim.weight_decay, lora.lora.learning_rate) == (0.1, 1e-3)
+    assert lora.lora.only_optimize_lora
+    assert lora.lora.module_filter == "decoder.layers."
+
+
+# --- refused values --------------------------------------------------------------------------
+
+BAD_VALUES = [
+    # overrides, key, value as reported, a piece of what is accepted
+    (["zero.stage=5"], "zero.stage", "5", "0, 1, 2, 3"),
+    (["lora.rank=-1"], "lora.rank", "-1", ">= 0"),
+    (["optim.micro_batch_size=0"], "optim.micro_batch_size", "0", ">= 1"),
+    (["optim.scheduler=bogus"], "optim.scheduler", "'bogus'", "cosine"),
+    (["model.dtype=fp64"], "model.dtype", "'fp64'", "bf16"),
+    (["data.phase_split=[1,2]"], "data.phase_split", "[1, 2]", "three non-negative weights"),
+    (["data.max_prompt_len=64"], "data.max_prompt_len", "64", "< max_seq_len"),  # toy: 64
+    (["data.max_prompt_len=100"], "data.max_prompt_len", "100", "< max_seq_len"),
+    (
+        ["data=local", "data.sources.local.path=/nonexistent/pairs.jsonl"],
+        "data.sources.local.path",
+        "'/nonexistent/pairs.jsonl'",
+        "an existing",
+    ),
+    (["data.sources.toy.adapter=bogus"], "data.sources.toy.adapter", "'bogus'", "rm-static"),
+    (["logger.backend=foo"], "logger.backend", "'foo'", "wandb"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value", "accepted"), BAD_VALUES, ids=[b[0][-1] for b in BAD_VALUES]
+)
+def test_bad_value_is_refused_naming_key_value_and_accepted(overrides, key, value, accepted):
+    cfg = compose(overrides)  # composes: the type is right, the value is not
+    with pytest.raises(ConfigError) as err:
+        to_config(cfg)
+    [line] = [ln for ln in str(err.value).splitlines() if ln.strip().startswith(f"{key}=")]
+    assert line.strip().startswith(f"{key}={value}: expected ")
+    assert accepted in line
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        to_config(compose(["zero.stage=5", "logger.backend=foo", "optim.lr=-1"]))
+    for key in ("zero.stage", "logger.backend", "optim.lr"):
+        assert f"{key}=" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("optim.lrr=1", "optim.lrr"),  # unknown key
+        ("optim.lr=abc", "optim.lr"),  # wrong type
+        ("zero.offload=maybe", "zero.offload"),
+        ("data=nonexistent", "data/nonexistent"),  # unknown option
+    ],
+)
+def test_compose_time_errors(override, named):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
+        compose([override])
+    assert named in str(err.value) + str(err.value.__cause__)

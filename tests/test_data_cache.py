@@ -1,0 +1,213 @@
+"""The tokenised-data cache: built once and reused, rebuilt for any change in what it depends on;
+phases of one source are disjoint; prompts and answers are cut as documented."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlhf.assets import TINY_TOKENIZER_DIR
+from rlhf.config import DataConfig, SourceConfig
+from rlhf.data import pipeline
+from rlhf.data.pipeline import phase_dataset
+
+NUM_ROWS = 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+
+
+def _write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _unique_rows(n: int = NUM_ROWS) -> list[dict]:
+    return [
+        {
+            "prompt": f"\n\nHuman: What is item {i}?\n\nAssistant:",
+            "chosen": f" Item {i} is a thing.",
+            "rejected": f" No idea about {i}.",
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def pairs_file(tmp_path) -> Path:
+    return _write_pairs(tmp_path / "pairs.jsonl", _unique_rows())
+
+
+def _data(path: Path, cache: Path, **overrides) -> DataConfig:
+    source = SourceConfig(adapter="local", path=str(path), eval_split=None, eval_fraction=0.1)
+    fields = dict(max_seq_len=64, max_prompt_len=32, seed=1234, cache_dir=str(cache))
+    return DataConfig(sources={"local": source}, **{**fields, **overrides})
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[tuple]:
+    """Records every call of the (expensive) builder."""
+    calls = []
+    original = pipeline._build
+
+    def counting(data, phase, split, tokenizer, eot):
+        calls.append((phase, split))
+        return original(data, phase, split, tokenizer, eot)
+
+    monkeypatch.setattr(pipeline, "_build", counting)
+    return calls
+
+
+def _dirs(cache: Path) -> set[str]:
+    return {p.name for p in cache.iterdir()} if cache.exists() else set()
+
+
+def test_built_once_then_reused(tmp_path, pairs_file, tokenizer, builds):
+    cache = tmp_path / "cache"
+    data = _data(pairs_file, cache)
+    eot = tokenizer.eos_token_id
+    first = phase_dataset(data, "sft", "train", tokenizer, eot)
+    assert len(builds) == 1
+    (built,) = _dirs(cache)
+    stamp = (cache / built / "dataset_info.json").stat().st_mtime_ns
+    second = phase_dataset(data, "sft", "train", tokenizer, eot)
+    assert len(builds) == 1  # not rebuilt
+    assert _dirs(cache) == {built}
+    assert (cache / built / "dataset_info.json").stat().st_mtime_ns == stamp
+    assert first["prompt"] == second["prompt"]
+    assert first["chosen_ids"] == second["chosen_ids"]
+
+
+def _variants(tokenizer, pairs_file):
+    """(label, data overrides, phase, split, tokenizer, eot) that must each get a new entry."""
+    eot = tokenizer.eos_token_id
+    other_tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    other_tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>"]})
+    return [
+        ("max_seq_len", {"max_seq_len": 48}, "sft", "train", tokenizer, eot),
+        ("max_prompt_len", {"max_prompt_len": 16}, "sft", "train", tokenizer, eot),
+        ("phase", {}, "reward", "train", tokenizer, eot),
+        ("split", {}, "sft", "eval", tokenizer, eot),
+        ("seed", {"seed": 99}, "sft", "train", tokenizer, eot),
+        ("phase_split", {"phase_split": [1, 1, 1]}, "sft", "train", tokenizer, eot),
+        ("tokenizer", {}, "sft", "train", other_tokenizer, eot),
+        ("end_of_text", {}, "sft", "train", other_tokenizer, len(tokenizer)),
+    ]
+
+
+def test_every_key_part_gives_a_new_entry(tmp_path, pairs_file, tokenizer, builds):
+    cache = tmp_path / "cache"
+    eot = tokenizer.eos_token_id
+    phase_dataset(_data(pairs_file, cache), "sft", "train", tokenizer, eot)
+    seen = _dirs(cache)
+    for label, overrides, phase, split, tok, end in _variants(tokenizer, pairs_file):
+        before = len(builds)
+        phase_dataset(_data(pairs_file, cache, **overrides), phase, split, tok, end)
+        assert len(builds) == before + 1, f"{label}: the cached entry was reused"
+        now = _dirs(cache)
+        assert len(now - seen) == 1, f"{label}: no new cache directory"
+        seen = now
+    # and each of them is reused in turn
+    before = len(builds)
+    for _, overrides, phase, split, tok, end in _variants(tokenizer, pairs_file):
+        phase_dataset(_data(pairs_file, cache, **overrides), phase, split, tok, end)
+    assert len(builds) == before
+
+
+def test_an_edited_local_file_is_tokenised_again(tmp_path, pairs_file, tokenizer, builds):
+    cache = tmp_path / "cache"
+    data = _data(pairs_file, cache)
+    eot = tokenizer.eos_token_id
+    old = phase_dataset(data, "sft", "train", tokenizer, eot)
+    rows = _unique_rows()
+    for row in rows:
+        row["chosen"] = row["chosen"].replace("thing", "gadget")
+    _write_pairs(pairs_file, rows)
+    stat = pairs_file.stat()  # make sure the stamp moves even on a coarse-mtime filesystem
+    os.utime(pairs_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    new = phase_dataset(data, "sft", "train", tokenizer, eot)
+    assert len(builds) == 2
+    assert len(_dirs(cache)) == 2
+    assert old["prompt"] == new["prompt"]  # same rows (same split) ...
+    decoded = tokenizer.decode(new[0]["chosen_ids"])
+    assert "gadget" in decoded, decoded  # ... with the new text
+
+
+def test_phases_and_splits_are_disjoint(tmp_path, pairs_file, tokenizer):
+    data = _data(pairs_file, tmp_path / "cache")
+    eot = tokenizer.eos_token_id
+    prompts = {
+        (phase, split): phase_dataset(data, phase, split, tokenizer, eot)["prompt"]
+        for phase in pipeline.PHASES
+        for split in ("train", "eval")
+    }
+    for split in ("train", "eval"):
+        sets = [set(prompts[phase, split]) for phase in pipeline.PHASES]
+        assert sum(map(len, sets)) == sum(len(prompts[p, split]) for p in pipeline.PHASES)
+        for a in range(3):
+            for b in range(a + 1, 3):
+                assert not sets[a] & sets[b], (split, a, b)
+    train = set().union(*(prompts[p, "train"] for p in pipeline.PHASES))
+    evals = set().union(*(prompts[p, "eval"] for p in pipeline.PHASES))
+    assert not train & evals
+    assert len(train) + len(evals) == NUM_ROWS  # together every row, once
+    # shares follow phase_split 2:4:4
+    sizes = [len(prompts[p, "train"]) for p in pipeline.PHASES]
+    assert sizes == [54, 108, 108]
+
+
+def test_long_prompts_are_left_truncated_keeping_bos(tmp_path, tokenizer):
+    long_prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + " What now?\n\nAssistant:"
+    rows = [{"prompt": long_prompt, "chosen": " Fine.", "rejected": " No."}] + _unique_rows(20)
+    path = _write_pairs(tmp_path / "long.jsonl", rows)
+    data = _data(path, tmp_path / "cache", max_prompt_len=12, max_seq_len=64, phase_split=[1, 0, 0])
+    eot = tokenizer.eos_token_id
+    out = phase_dataset(data, "sft", "train", tokenizer, eot)
+    out = out if long_prompt in out["prompt"] else phase_dataset(data, "sft", "eval", tokenizer, eot)
+    row = out[out["prompt"].index(long_prompt)]
+    full = tokenizer(long_prompt)["input_ids"]
+    assert full[0] == tokenizer.bos_token_id and len(full) > 12
+    assert len(row["prompt_ids"]) == 12
+    assert row["prompt_ids"][0] == tokenizer.bos_token_id
+    assert row["prompt_ids"][1:] == full[-11:]  # the end of the prompt, where the question is
+    for other in out:
+        assert len(other["prompt_ids"]) <= 12
+        assert other["prompt_ids"][0] == tokenizer.bos_token_id
+
+
+def test_answers_end_with_end_of_text_unless_cut(tmp_path, tokenizer):
+    rows = _unique_rows(40)
+    for i in range(0, 40, 2):  # every other answer is too long for max_seq_len
+        rows[i]["chosen"] = " " + " ".join(f"long{j}" for j in range(40))
+    path = _write_pairs(tmp_path / "answers.jsonl", rows)
+    max_seq_len = 24
+    data = _data(path, tmp_path / "cache", max_seq_len=max_seq_len, max_prompt_len=16)
+    eot = tokenizer.eos_token_id
+    by_prompt = {r["prompt"]: r for r in rows}
+    out = [
+        row
+        for split in ("train", "eval")
+        for phase in pipeline.PHASES
+        for row in phase_dataset(data, phase, split, tokenizer, eot)
+    ]
+    assert len(out) == 40
+    cut = whole = 0
+    for row in out:
+        raw = by_prompt[row["prompt"]]
+        for column in ("chosen", "rejected"):
+            answer = tokenizer(raw[column], add_special_tokens=False)["input_ids"]
+            ids = row[f"{column}_ids"]
+            room = max_seq_len - len(row["prompt_ids"])
+            assert len(row["prompt_ids"]) + len(ids) <= max_seq_len
+            if len(answer) + 1 <= room:
+                assert ids == [*answer, eot]
+                whole += 1
+            else:
+                assert ids == answer[:room]  # cut: no end-of-text
+                assert len(row["prompt_ids"]) + len(ids) == max_seq_len
+                cut += 1
+    assert cut >= 20 and whole >= 20  # both cases were exercised
