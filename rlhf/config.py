@@ -197,20 +197,17 @@ class LoraConfig:
 
 
 @dataclass
-class OptimConfig:
-    """AdamW, a transformers scheduler, batch sizes and the number of epochs."""
+class RoleOptimConfig:
+    """An optimizer: AdamW and a transformers scheduler. PPO's actor and critic each have one;
+    their batch sizes and epochs are PPO-wide (see PPOConfig)."""
 
-    lr: float = 1e-3
+    lr: float = 9.65e-6
     weight_decay: float = 0.0  # not applied to biases and LayerNorm weights
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     scheduler: str = "cosine"  # any transformers SchedulerType
-    warmup_steps: int = 0
+    warmup_steps: int = 100
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
-    epochs: int = 1
-    micro_batch_size: int = 8  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
-    eval_micro_batch_size: int = 16
-    grad_accum: int = 1
     max_grad_norm: float = 1.0  # 0 disables clipping
     compute_fp32_loss: bool = False  # upcast logits to fp32 for the loss under bf16/fp16
 
@@ -229,6 +226,22 @@ class OptimConfig:
         for key in ("warmup_steps", "max_grad_norm"):
             if getattr(self, key) < 0:
                 out.append((key, getattr(self, key), "a number >= 0"))
+        return out
+
+
+@dataclass
+class OptimConfig(RoleOptimConfig):
+    """SFT and reward training: the optimizer, batch sizes and the number of epochs."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    epochs: int = 1
+    micro_batch_size: int = 8  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
+    eval_micro_batch_size: int = 16
+    grad_accum: int = 1
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = super().problems()
         for key in ("epochs", "micro_batch_size", "eval_micro_batch_size", "grad_accum"):
             if getattr(self, key) < 1:
                 out.append((key, getattr(self, key), "an integer >= 1"))
@@ -311,6 +324,136 @@ class RewardConfig:
         return out
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class RoleConfig:
+    """One trained PPO model: its own model, ZeRO, LoRA and optimizer settings. Its frozen twin
+    (the reference model for the actor, the reward model for the critic) loads from the same
+    path at the same ZeRO stage."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: RoleOptimConfig = field(default_factory=RoleOptimConfig)
+    hybrid_engine: bool = False  # actor only: DeepSpeed's hybrid engine for generation (GPU)
+    offload_twin: bool = False  # keep the frozen twin's parameters on CPU (ZeRO-3 param offload)
+
+
+@dataclass
+class PPOConfig:
+    """Step 3. Every constant DeepSpeed-Chat hard-codes is a key here, with its value."""
+
+    # batches: each iteration generates generation_batches x per_device_generation_batch_size
+    # prompts per rank, then runs ppo_epochs passes over them in per_device_training_batch_size
+    per_device_generation_batch_size: int = 16
+    per_device_training_batch_size: int = 16
+    generation_batches: int = 1
+    ppo_epochs: int = 1
+    epochs: int = 1  # passes over the prompt set
+    grad_accum: int = 1
+    # rollouts
+    max_new_tokens: int = 0  # answer tokens; 0: data.max_seq_len - data.max_prompt_len
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
+    # reward shaping
+    kl_coef: float = 0.1
+    kl_estimator: str = "k1"
+    adaptive_kl: bool = False  # Ziegler et al.'s proportional controller towards kl_target
+    kl_target: float = 6.0
+    kl_horizon: int = 10000
+    clip_reward_value: float = 5.0
+    normalize_reward: bool = False  # (score - mean) / std with the reward export's eval stats
+    # advantages
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = False
+    # losses
+    clip_range: float = 0.2
+    dual_clip: float | None = None  # e.g. 3.0: bound the loss of negative-advantage tokens
+    clip_range_value: float = 0.2
+    entropy_coef: float = 0.0
+    target_kl: float | None = None  # stop this iteration's PPO epochs once approx_kl exceeds it
+    # EMA of the actor, exported as actor_ema/
+    ema: bool = False
+    ema_beta: float = 0.992
+    # PTX: language modelling on unsupervised text, mixed into the actor's loss
+    unsup_coef: float = 0.0  # DeepSpeed-Chat's value when enabled: 27.8
+    unsup_source: str = "toy"  # toy (the toy task's statements) or a local .txt/.jsonl file
+    unsup_rows: int = 4000
+    # evaluation on held-out prompts
+    eval_prompts: int = 128
+    eval_greedy: bool = True
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        for key in (
+            "per_device_generation_batch_size",
+            "per_device_training_batch_size",
+            "generation_batches",
+            "ppo_epochs",
+            "epochs",
+            "grad_accum",
+            "min_response_tokens",
+        ):
+            if getattr(self, key) < 1:
+                out.append((key, getattr(self, key), "an integer >= 1"))
+        rollout = self.per_device_generation_batch_size * self.generation_batches
+        step_rows = self.per_device_training_batch_size * self.grad_accum
+        if step_rows > 0 and rollout % step_rows:
+            out.append(
+                (
+                    "per_device_training_batch_size",
+                    self.per_device_training_batch_size,
+                    f"a size such that per_device_training_batch_size x grad_accum "
+                    f"({step_rows}) divides the rollout of per_device_generation_batch_size "
+                    f"x generation_batches ({rollout})",
+                )
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            out.append(("dual_clip", self.dual_clip, "null or a float > 1"))
+        for key in (
+            "kl_coef",
+            "clip_range",
+            "clip_range_value",
+            "clip_reward_value",
+            "entropy_coef",
+            "unsup_coef",
+        ):
+            if getattr(self, key) < 0:
+                out.append((key, getattr(self, key), "a float >= 0"))
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            out.append(("gamma/lam", (self.gamma, self.lam), "floats in [0, 1]"))
+        if not 0.0 < self.ema_beta < 1.0:
+            out.append(("ema_beta", self.ema_beta, "a float in (0, 1)"))
+        if self.max_new_tokens < 0:
+            out.append(("max_new_tokens", self.max_new_tokens, "0 (fill max_seq_len) or more"))
+        if self.temperature <= 0:
+            out.append(("temperature", self.temperature, "a float > 0"))
+        if (
+            self.unsup_coef > 0
+            and self.unsup_source != "toy"
+            and not os.path.isfile(self.unsup_source)
+        ):
+            out.append(("unsup_source", self.unsup_source, "toy or an existing .txt/.jsonl file"))
+        return out
+
+
+@dataclass
+class PipelineConfig:
+    """step=all: SFT -> reward -> PPO in <run_dir>/{sft,reward,ppo}."""
+
+    # InstructGPT initialises the reward model from the SFT model; DeepSpeed-Chat from a base
+    # model (its recipe sets this false and picks OPT-350M).
+    reward_from_sft: bool = True
+
+
 @dataclass
 class Config:
     step: StepConfig = field(default_factory=StepConfig)
@@ -322,6 +465,10 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
@@ -331,6 +478,19 @@ class Config:
         out = []
         if self.device not in ("auto", "cpu", "cuda"):
             out.append(("device", self.device, "one of auto, cpu, cuda"))
+        if self.critic.hybrid_engine:
+            out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
+        if self.step.name == "ppo":
+            for role in ("actor", "critic"):
+                if getattr(self, role).model.path is None:
+                    out.append(
+                        (
+                            f"{role}.model.path",
+                            None,
+                            "a model directory (the SFT export for "
+                            "the actor, the reward export for the critic), or run step=all",
+                        )
+                    )
         return out
 
 

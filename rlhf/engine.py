@@ -219,3 +219,43 @@ def quiet_deepspeed() -> None:
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+
+
+def initialize_frozen(model, zero_stage: int, offload: bool, dtype: str, micro_batch_size: int):
+    """A forward-only model. At ZeRO-3 (following its trained twin), or when offloaded, a
+    DeepSpeed ZeRO-3 engine with partitioned (optionally CPU-resident) parameters; otherwise the
+    plain module on the device (no optimizer state, nothing to partition)."""
+    import deepspeed
+
+    model.requires_grad_(False)
+    model.eval()
+    if zero_stage != 3 and not offload:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return model.to(device=device, dtype=TORCH_DTYPES[dtype])
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "train_batch_size": micro_batch_size * world_size(),
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 1e4,
+            "offload_param": {"device": "cpu"} if offload else {"device": "none"},
+        },
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+        "steps_per_print": 10**12,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def hybrid_engine_config(max_out_tokens: int) -> dict:
+    """DeepSpeed-Chat's hybrid-engine block (GPU only): inference kernels for generation."""
+    return {
+        "enabled": True,
+        "max_out_tokens": max_out_tokens,
+        "inference_tp_size": 1,
+        "release_inference_cache": False,
+        "pin_parameters": True,
+        "tp_gather_partition_size": 8,
+    }

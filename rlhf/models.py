@@ -196,7 +196,7 @@ def load_value_model(
 def lora_target(lora: LoraConfig) -> str:
     """PEFT full-match regex: the target modules inside modules named like module_filter."""
     names = "|".join(re.escape(m) for m in lora.target_modules)
-    scope = f".*{re.escape(lora.module_filter)}.*" if lora.module_filter else "(.*\\.)?"
+    scope = f".*{re.escape(lora.module_filter)}(.*\\.)?" if lora.module_filter else "(.*\\.)?"
     return f"{scope}({names})"
 
 
@@ -256,12 +256,15 @@ def export_pretrained(
     tokenizer,
     out_dir: Path,
     extra_files: dict[str, dict] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``out_dir`` in save_pretrained format (LoRA merged into the base weights) with the
     tokenizer. ``build_copy`` makes a fresh CPU model of the same architecture (LoRA wrappers
     included) to load the gathered weights into. Written to a temporary name and renamed, so an
-    existing export is replaced only by a complete one."""
-    state = full_state_dict(module, zero_stage)
+    existing export is replaced only by a complete one. ``state`` (rank 0) exports those
+    weights instead of the module's (an EMA)."""
+    if state is None:
+        state = full_state_dict(module, zero_stage)
     if is_main():
         copy = build_copy()
         _, unexpected = copy.load_state_dict(state, strict=False)

@@ -53,8 +53,17 @@ def run_rlhf(
 ) -> subprocess.CompletedProcess:
     """``python -m rlhf OVERRIDES`` (``torchrun --nproc_per_node N -m rlhf`` for nproc > 1)."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "-m", "rlhf"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "rlhf",
+        ]
     else:
         cmd = [sys.executable, "-m", "rlhf"]
     cmd += overrides

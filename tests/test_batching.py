@@ -154,7 +154,9 @@ def _micro_batches(seed: int, sizes: list[tuple[int, int]], vocab: int):
         batch = []
         for _ in range(rows):
             prompt = torch.randint(3, vocab, (int(torch.randint(1, 4, (1,), generator=gen)),))
-            answer = torch.randint(3, vocab, (int(torch.randint(1, width + 1, (1,), generator=gen)),))
+            answer = torch.randint(
+                3, vocab, (int(torch.randint(1, width + 1, (1,), generator=gen)),)
+            )
             batch.append(_row(prompt.tolist(), answer.tolist()))
         out.append(sft_batch(batch, PAD, loss_on_prompt=False))
     return out
@@ -206,9 +208,7 @@ def test_normalised_gradient_equals_the_global_token_mean_gradient():
         sum(g)
         for g in zip(
             *(
-                torch.autograd.grad(
-                    sum(nll_sum(b) for b in micro) / sum(count) / world, params
-                )
+                torch.autograd.grad(sum(nll_sum(b) for b in micro) / sum(count) / world, params)
                 for micro, count in zip(ranks, counts)
             )
         )

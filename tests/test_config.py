@@ -67,6 +67,9 @@ def test_every_option_composes_and_validates(group, option, local_file):
     overrides = [f"{group}={option}"]
     if (group, option) == ("data", "local"):
         overrides.append(f"data.sources.local.path={local_file}")
+    if (group, option) == ("step", "ppo"):  # PPO starts from the SFT and reward exports
+        model_dir = local_file.parent
+        overrides += [f"actor.model.path={model_dir}", f"critic.model.path={model_dir}"]
     cfg = compose(overrides)
     to_config(cfg)  # raises ConfigError on any problem
     path = CONF_DIR / group / f"{option}.yaml"
@@ -139,7 +142,9 @@ def test_experiment_without_a_step_file_still_composes():
 
 
 def test_command_line_groups_win_over_the_experiment():
-    c = to_config(compose(["experiment=opt-1.3b-350m", "zero=stage3", "model=opt-350m"]))
+    c = to_config(
+        compose(["experiment=opt-1.3b-350m", "step=sft", "zero=stage3", "model=opt-350m"])
+    )
     assert (c.zero.stage, c.model.name) == (3, "opt-350m")
     assert c.optim.lr == 9.65e-6  # the step's values stay
 

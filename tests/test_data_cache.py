@@ -161,14 +161,16 @@ def test_phases_and_splits_are_disjoint(tmp_path, pairs_file, tokenizer):
 
 
 def test_long_prompts_are_left_truncated_keeping_bos(tmp_path, tokenizer):
-    long_prompt = "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + " What now?\n\nAssistant:"
-    rows = [{"prompt": long_prompt, "chosen": " Fine.", "rejected": " No."}] + _unique_rows(20)
+    long_prompt = (
+        "\n\nHuman: " + " ".join(f"word{i}" for i in range(60)) + " What now?\n\nAssistant:"
+    )
+    rows = [{"prompt": long_prompt, "chosen": " Fine.", "rejected": " No."}, *_unique_rows(20)]
     path = _write_pairs(tmp_path / "long.jsonl", rows)
     data = _data(path, tmp_path / "cache", max_prompt_len=12, max_seq_len=64, phase_split=[1, 0, 0])
     eot = tokenizer.eos_token_id
-    out = phase_dataset(data, "sft", "train", tokenizer, eot)
-    out = out if long_prompt in out["prompt"] else phase_dataset(data, "sft", "eval", tokenizer, eot)
-    row = out[out["prompt"].index(long_prompt)]
+    out = [r for s in ("train", "eval") for r in phase_dataset(data, "sft", s, tokenizer, eot)]
+    assert len(out) == len(rows)
+    (row,) = [r for r in out if r["prompt"] == long_prompt]
     full = tokenizer(long_prompt)["input_ids"]
     assert full[0] == tokenizer.bos_token_id and len(full) > 12
     assert len(row["prompt_ids"]) == 12
