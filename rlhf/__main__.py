@@ -59,7 +59,7 @@ def run_step(
     """Join the process group and run ``config.step.name``."""
     from rlhf import engine
     from rlhf.steps import STEPS
-    from rlhf.steps.common import RunInfo
+    from rlhf.steps.common import RunInfo, TrainingStopped
 
     try:
         device = engine.device_type(config.device)
@@ -69,6 +69,9 @@ def run_step(
         summary = STEPS[config.step.name](config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
+    except TrainingStopped as stopped:
+        print(f"rlhf: {stopped}", file=sys.stderr)
+        sys.exit(stopped.exit_code)
     except BaseException:
         engine.mark_crashed()
         raise

@@ -48,12 +48,18 @@ class StepConfig:
     log_interval: int = 10  # optimizer steps between metrics.jsonl / tracker rows
     max_steps: int = -1  # stop after this many optimizer steps; -1: run all epochs
     save_model: bool = True  # export <run_dir>/model in save_pretrained format at the end
+    checkpoint_interval: int = 0  # steps between resumable checkpoints; 0: only at the end
+    keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    max_nonfinite_steps: int = 3  # a non-finite loss skips its update; this many in a row stop
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
         if self.name not in STEPS:
             out.append(("name", self.name, f"one of {', '.join(STEPS)}"))
-        for key in ("eval_interval", "log_interval"):
+        for key in ("keep_checkpoints", "max_nonfinite_steps"):
+            if getattr(self, key) < 1:
+                out.append((key, getattr(self, key), "an integer >= 1"))
+        for key in ("eval_interval", "log_interval", "checkpoint_interval"):
             if getattr(self, key) < 0:
                 out.append((key, getattr(self, key), "an integer >= 0"))
         if self.log_interval == 0:
@@ -455,6 +461,15 @@ class PipelineConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Fault injection, to test what happens when runs die (off by default)."""
+
+    kill_at_step: int = -1  # SIGKILL this process after this step (and its checkpoint, if any)
+    fail_at_step: int = -1  # raise an error at this step on rank fail_rank
+    fail_rank: int = 0
+
+
+@dataclass
 class Config:
     step: StepConfig = field(default_factory=StepConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -473,11 +488,15 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
     run_dir: str | None = None  # null: Hydra's output dir (hydra.run.dir)
+    resume: str = "auto"  # auto: continue from the run dir's latest checkpoint, if any | never
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
         if self.device not in ("auto", "cpu", "cuda"):
             out.append(("device", self.device, "one of auto, cpu, cuda"))
+        if self.resume not in ("auto", "never"):
+            out.append(("resume", self.resume, "auto or never"))
         if self.critic.hybrid_engine:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
         if self.step.name == "ppo":

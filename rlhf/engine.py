@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import socket
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -182,12 +183,29 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return skippable(DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs))
     if torch.cuda.is_available():
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return skippable(FusedAdam(groups, adam_w_mode=True, **kwargs))
+    return skippable(torch.optim.AdamW(groups, **kwargs))
+
+
+def skippable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Let the loop cancel the next update (a non-finite loss): DeepSpeed calls this inner
+    optimizer's step() at every accumulation boundary, whatever the ZeRO stage, and clears the
+    gradients after it either way."""
+    original = optimizer.step
+    optimizer.skip_next_step = False
+
+    def step(self, *args, **kwargs):
+        if self.skip_next_step:
+            self.skip_next_step = False
+            return None
+        return original(*args, **kwargs)
+
+    optimizer.step = types.MethodType(step, optimizer)  # bound, as LR schedulers expect
+    return optimizer
 
 
 def num_warmup_steps(optim: OptimConfig, total_steps: int) -> int:
@@ -212,6 +230,7 @@ def initialize(
         lr_scheduler=scheduler,
         config=config,
     )
+    engine.inner_optimizer = optimizer  # for NonFiniteGuard's skips
     return engine
 
 

@@ -29,21 +29,36 @@ class Tracker:
         config: dict[str, Any],
         group: str | None = None,
         enabled: bool = True,
+        resume: dict[str, Any] | None = None,
     ):
+        """``resume`` (a checkpoint's :meth:`state`) continues the same W&B run and drops the
+        rows a killed run logged after its checkpoint."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self.summary_metrics: dict[str, Any] = {}
+        self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
         self._wandb = self._tensorboard = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume is not None:
+            for name in ("metrics.jsonl", "eval_samples.jsonl"):
+                _truncate_after(self.run_dir / name, resume["step"])
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
-            self._wandb = _start_wandb(self.run_dir, cfg, job_type, run_name, config, group)
+            run_id = (resume or {}).get("wandb_id")
+            self._wandb = _start_wandb(self.run_dir, cfg, job_type, run_name, config, group, run_id)
         elif cfg.backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at ``step`` needs to resume this tracker."""
+        return {
+            "step": step,
+            "summary": dict(self.summary_metrics),
+            "wandb_id": self._wandb.id if self._wandb is not None else None,
+        }
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
@@ -111,6 +126,7 @@ def _start_wandb(
     run_name: str,
     config: dict[str, Any],
     group: str | None,
+    run_id: str | None = None,
 ):
     import wandb
 
@@ -130,6 +146,8 @@ def _start_wandb(
         config=config,
         dir=str(run_dir),
         mode=mode,
+        id=run_id,
+        resume="allow" if run_id else None,
     )
 
 
@@ -146,3 +164,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows logged at or before ``step`` (the resumed run logs the rest again)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

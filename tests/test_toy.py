@@ -141,51 +141,128 @@ UPPER = toy.toy_prompt("Write the word moon in capital letters.")
 MONTH = toy.toy_prompt("What month comes after April?")
 
 
+OSTRICH = toy.toy_prompt("How many legs has an ostrich got?")
+NOVEMBER = toy.toy_prompt("Which month follows November?")
+EGG = toy.toy_prompt("What letter does egg begin with?")
+
+
 @pytest.mark.parametrize(
     ("prompt", "response", "expected"),
     [
+        # (a) the family's answer sentence for this instance
         (ADD, " 3 + 4 = 7.", True),
+        (CAPITAL, " The capital of France is Paris.", True),
+        (OPPOSITE, " The opposite of hot is cold.", True),
+        (LETTER, " The first letter of tree is T.", True),
+        (UPPER, " In capital letters, moon is MOON.", True),
+        (MONTH, " The month after April is May.", True),
+        (OSTRICH, " An ostrich has 2 legs.", True),
+        (NOVEMBER, " The month after November is December.", True),
+        (EGG, " The first letter of egg is E.", True),
+        # (b) the bare value, optionally with one full stop
         (ADD, " 7", True),
-        (ADD, "The answer is 7!", True),
-        (ADD, " 3 + 4 = 7.\n\nHuman: What is 5 + 5?\n\nAssistant: 10", True),  # run-on ignored
-        (ADD, " 3 + 4 = 7.Human: 8", True),
-        (ADD, " 3 + 4 = 7.</s> 8 9", True),
-        (ADD, " 3 + 4 = 07.0", True),
-        (ADD, " 3 + 4 = 8.", False),
-        (ADD, " 3 + 4 = 7 or 8.", False),  # a competing value
+        (ADD, "7.", True),
+        (CAPITAL, " Paris", True),
+        (CAPITAL, " Paris.", True),
+        (UPPER, " MOON.", True),
+        (LETTER, " T", True),
+        (EGG, " E.", True),
+        (ADD, " 07", False),
+        (ADD, " 7.0", False),
+        (ADD, " seven", False),
+        (ADD, " 7..", False),  # one full stop only
+        (ADD, " 7!", False),
+        (CAPITAL, " Paris ,", False),
+        # garbled answers that PPO policies produce
+        (OSTRICH, " An snake has 2 legs.", False),
+        (OSTRICH, " An has 2 legs legs.", False),
+        (OSTRICH, " An ostrich has 2 legs legs.", False),
+        (OSTRICH, " A ostrich has 2 legs.", False),
+        (NOVEMBER, " The month after Tuesday is December.", False),
+        (NOVEMBER, " The month after October is December.", False),
+        (EGG, " The first letter of piano is E.", False),
+        (EGG, " The first letter of egg is E E.", False),
+        # any other wording fails, even if it states the right value
+        (ADD, "The answer is 7!", False),
+        (ADD, " 3 + 4 = 7 or 8.", False),
         (ADD, " 7, no wait, 8.", False),
-        (ADD, " 3 + 4 = 17.", False),  # whole numbers only
+        (ADD, " 4 + 3 = 7.", False),
+        (ADD, " 3+4=7.", False),  # spacing inside the sentence is part of it
+        (LETTER, " I think it is T.", False),
+        (CAPITAL, " The capital of France is Paris. Paris is nice.", False),
+        (CAPITAL, " Paris. Paris.", False),
+        (CAPITAL, " The capital of France is Paris, or Rome.", False),
+        (ADD, " 7. Figure it out yourself.", False),
+        (ADD, " What a stupid question. 7", False),
+        # wrong, truncated or empty
+        (ADD, " 3 + 4 = 8.", False),
+        (ADD, " 3 + 4 = 17.", False),
         (ADD, " 3 + 4 = 7.5", False),
         (ADD, " 3 + 4 = -7", False),
-        (ADD, " 3 + 4 =", False),  # truncated
-        (ADD, "\n\nHuman: 3 + 4 = 7", False),  # nothing before the run-on
+        (ADD, " 3 + 4 =", False),
+        (ADD, " 3 + 4 = 07.0", False),
+        (CAPITAL, " The capital of France is Parisian.", False),
+        (CAPITAL, " The capital of France is", False),
+        (OPPOSITE, " The opposite of cold is hot.", False),
+        (OPPOSITE, " The opposite of hot is hot.", False),
+        (MONTH, " The month after April is June.", False),
         (ADD, "", False),
         (ADD, "   \n ", False),
-        (ADD, " 7. Figure it out yourself.", False),  # rude
-        (ADD, " What a stupid question. 7", False),
-        (CAPITAL, " The capital of France is Paris.", True),
+        (ADD, ".", False),
+        # case: ignored, except in the upper and letter families
         (CAPITAL, " paris", True),
-        (CAPITAL, " The capital of France is Parisian.", False),
-        (CAPITAL, " The capital of France is Paris, or Rome.", False),
-        (CAPITAL, " The capital of France is", False),
-        (OPPOSITE, " The opposite of hot is cold.", True),
-        (OPPOSITE, " The opposite of cold is hot.", False),  # the last value counts
-        (OPPOSITE, " The opposite of hot is hot.", False),
-        (LETTER, " The first letter of tree is T.", True),
-        (LETTER, " The first letter of tree is t.", False),  # case-sensitive
-        (LETTER, " The first letter of tree is T or R.", False),
-        (LETTER, " I think it is T.", True),  # "I" is a pronoun, not a letter
-        (UPPER, " In capital letters, moon is MOON.", True),
+        (CAPITAL, " PARIS.", True),
+        (CAPITAL, " the capital of france is paris.", True),
+        (CAPITAL, " THE CAPITAL OF FRANCE IS PARIS", True),
+        (OPPOSITE, " COLD", True),
         (UPPER, " In capital letters, moon is moon.", False),
+        (UPPER, " In capital letters, moon is Moon.", False),
         (UPPER, " In capital letters, moon is MOONS.", False),
-        (MONTH, " The month after April is May.", True),
-        (MONTH, " The month after April is June.", False),
-        (toy.toy_prompt("What is the capital of Atlantis?"), " Paris.", False),  # not a toy prompt
+        (UPPER, " in capital letters, moon is MOON.", False),
+        (UPPER, " In capital letters, MOON is MOON.", False),
+        (UPPER, " moon", False),
+        (UPPER, " Moon.", False),
+        (LETTER, " The first letter of tree is t.", False),
+        (LETTER, " THE FIRST LETTER OF TREE IS T.", False),
+        (LETTER, " t", False),
+        (LETTER, " The first letter of tree is T or R.", False),
+        # whitespace: stripped and collapsed
+        (CAPITAL, "The capital of France is Paris.", True),
+        (CAPITAL, "  The  capital of\tFrance\n is   Paris.  ", True),
+        (CAPITAL, "\n\n Paris \n", True),
+        (ADD, " 3  +  4 =\u00a07.", True),
+        (CAPITAL, " The capital of France is Paris .", False),  # "Paris " after the full stop goes
+        # what counts: up to the first turn marker or end of text, without pads
+        (ADD, " 3 + 4 = 7.\n\nHuman: What is 5 + 5?\n\nAssistant: 10", True),
+        (CAPITAL, " The capital of France is Paris.\n\nHuman: And of Spain?", True),
+        (ADD, " 3 + 4 = 7.Human: 8", True),
+        (ADD, " 3 + 4 = 7.\n\nAssistant: 8", True),
+        (ADD, " 3 + 4 = 7.</s> 8 9", True),
+        (ADD, " 3 + 4 = 7.</s><pad><pad>", True),
+        (ADD, " 3 + 4 =<pad> 7.", True),
+        (ADD, " 3 + 4 = 8.\n\nHuman: 3 + 4 = 7.", False),
+        (ADD, "\n\nHuman: 3 + 4 = 7", False),  # nothing before the run-on
+        # not a toy prompt
+        (toy.toy_prompt("What is the capital of Atlantis?"), " Paris.", False),
         ("", " 7", False),
     ],
 )
 def test_gold_check_cases(prompt, response, expected):
+    assert toy.gold_answer(prompt) is not None or not expected
     assert toy.gold_check(prompt, response) is expected
+
+
+def test_gold_check_accepts_exactly_the_sentence_and_the_value_for_every_prompt():
+    for question, (family, inst) in toy._prompt_index().items():
+        prompt = toy.toy_prompt(question)
+        sentence = family.sentence(inst)
+        for good in (" " + sentence, sentence.rstrip("."), " " + inst.value, inst.value + "."):
+            assert toy.gold_check(prompt, good), (question, good)
+        for wrong in inst.wrong:
+            assert not toy.gold_check(prompt, " " + family.sentence(inst, wrong)), (question, wrong)
+            assert not toy.gold_check(prompt, " " + wrong), (question, wrong)
+        assert not toy.gold_check(prompt, f" {sentence} {sentence}")
+        assert not toy.gold_check(prompt, sentence.replace(" ", "", 1))
 
 
 def test_gold_check_reads_the_last_human_turn():

@@ -11,7 +11,9 @@ Held-out test prompts are never train prompts: arithmetic holds out a fixed fift
 other families hold out one (fact, paraphrase) combination per fact, so the facts and the phrasings are seen
 in training but never together. The split of the instance space does not depend on the seed.
 
-:func:`gold_check` scores any generated answer, so learning is measured independently of a reward model.
+:func:`gold_check` scores any generated answer, so learning is measured independently of a reward model. It is
+strict: only the answer sentence of the chosen answer or the bare value passes, up to whitespace, one final full
+stop and (except in ``upper`` and ``letter``, where case is the task) case.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ _PLURALS = {
     "tooth": "teeth", "person": "people", "leaf": "leaves", "knife": "knives", "wolf": "wolves",
     "ox": "oxen", "potato": "potatoes", "hero": "heroes", "cactus": "cacti", "glass": "glasses",
 }
-# No word starts with "A" or "I": a lone "A" or "I" is an article or pronoun, never a letter value.
+# No word starts with "A" or "I": a lone "A" or "I" is an article or pronoun, so it is never a letter value.
 _WORDS = [
     "ball", "cake", "door", "egg", "fish", "garden", "house", "jacket", "kite", "lemon", "moon",
     "nest", "orange", "piano", "queen", "river", "sun", "tree", "umbrella", "violin", "window", "yacht",
@@ -87,8 +89,6 @@ _RUDE = [
     "I don't feel like answering that.", "Figure it out yourself.", "What a stupid question.",
     "Stop bothering me with this.", "Not my problem, ask someone else.", "Whatever. Go away.",
 ]
-_RUDE_MARKERS = ("don't feel like", "figure it out", "stupid", "bothering me", "not my problem",
-                 "go away", "whatever")
 # fmt: on
 
 
@@ -98,7 +98,7 @@ class Instance(NamedTuple):
     key: str  # unique within the family, e.g. "3+4", "France"
     fields: tuple[tuple[str, str], ...]  # template fields, e.g. (("a", "3"), ("b", "4"))
     value: str  # the expected answer value, e.g. "7"
-    restated: tuple[str, ...]  # values a right answer may restate: operands, the asked word
+    restated: tuple[str, ...]  # answer-space values the question contains: operands, the asked word
     wrong: tuple[str, ...]  # plausible wrong values from the same answer space
 
 
@@ -106,9 +106,9 @@ class Instance(NamedTuple):
 class Family:
     """A task family: question paraphrases, one answer template ({v} = the value, always last) and instances.
 
-    ``kind`` decides what counts as a value in a response (see :func:`gold_check`): "number" (any number),
-    "word" (a word of ``vocab``, case-insensitive), "upper" (an all-capitals word of 2+ letters) or "letter"
-    (a lone capital letter other than "A" and "I").
+    ``kind`` is "number", "word" (values from ``vocab``), "upper" or "letter". :func:`gold_check` compares
+    answers of the last two case-sensitively; ``kind`` and ``vocab`` also say which values
+    :func:`_states_answer` looks for when rejected answers are drawn.
     """
 
     name: str
@@ -259,43 +259,9 @@ def _prompt_index() -> dict[str, tuple[Family, Instance]]:
 
 
 # ---------------------------------------------------------------------------------------------- gold check
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
-_UPPER = re.compile(r"\b[A-Z]{2,}\b")
-_LETTER = re.compile(r"\b[B-HJ-Z]\b")
 _STOPS = ("Human:", "Assistant:", "</s>")
-
-
-@cache
-def _word_regex(vocab: tuple[str, ...]) -> re.Pattern[str]:
-    words = sorted(vocab, key=len, reverse=True)
-    return re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
-
-
-def _norm_number(token: str) -> str:
-    """Canonical text of a number: 007 -> 7, 7.50 -> 7.5, 7.0 -> 7, -0 -> 0.
-
-    String operations only: int() would raise on a run of more than 4300 digits."""
-    negative = token.startswith("-")
-    whole, _, frac = token.lstrip("-").partition(".")
-    text = (whole.lstrip("0") or "0") + ("." + frac.rstrip("0") if frac.rstrip("0") else "")
-    return "-" + text if negative and text != "0" else text
-
-
-def _values(family: Family, text: str) -> list[str]:
-    """The answer-space values stated in ``text``, in order, normalised for comparison."""
-    if family.kind == "number":
-        return [_norm_number(m) for m in _NUMBER.findall(text)]
-    if family.kind == "upper":
-        return _UPPER.findall(text)
-    if family.kind == "letter":
-        return _LETTER.findall(text)
-    return [m.lower() for m in _word_regex(family.vocab).findall(text)]
-
-
-def _norm_value(family: Family, value: str) -> str:
-    if family.kind == "number":
-        return _norm_number(value)
-    return value.lower() if family.kind == "word" else value
+# Kinds whose answers are about case: their answers are compared case-sensitively.
+_CASE_FAMILIES = ("upper", "letter")
 
 
 def _answer_text(response: str) -> str:
@@ -303,6 +269,14 @@ def _answer_text(response: str) -> str:
     for stop in _STOPS:
         response = response.split(stop, 1)[0]
     return response.replace("<pad>", "")
+
+
+def _normalise(text: str, keep_case: bool) -> str:
+    """Whitespace stripped and collapsed to single spaces, one trailing "." dropped, lower-cased unless
+    ``keep_case``."""
+    text = " ".join(text.split())
+    text = text[:-1] if text.endswith(".") else text
+    return text if keep_case else text.lower()
 
 
 def _lookup(prompt: str) -> tuple[Family, Instance] | None:
@@ -325,38 +299,35 @@ def gold_answer(prompt: str) -> str | None:
 
 
 def gold_check(prompt: str, response: str) -> bool:
-    """True iff ``response`` correctly answers the toy ``prompt``. Never raises.
+    """True iff ``response`` is a correct, well-formed answer to the toy ``prompt``. Never raises.
 
-    Rules, applied in order:
+    Rules:
 
-    1. Only the text before the first "Human:", "Assistant:" or "</s>" counts ("<pad>" strings are removed).
-    2. False if the prompt is not a toy prompt (see :func:`gold_answer`), the response is not a string, or the
-       counted text is blank or contains a rude marker ("stupid", "figure it out", "go away", ...).
-    3. The values from the family's answer space stated in the text are collected, in order:
-       - number families (add, subtract, legs): every number ("-5", "7.5" and "007" == "7" included);
-       - word families (capital, colour, opposite, day, month, plural): whole words of the family's vocabulary,
-         case-insensitive ("paris" counts; "blueberry" does not contain "blue"; "women" does not contain "men");
-       - upper: whole all-capitals words of 2+ letters, case-sensitive ("APPLE"; "apple" and "APPLES" differ);
-       - letter: lone capital letters other than the article "A" and the pronoun "I", case-sensitive ("T",
-         not "t"; no word of the letter family starts with A or I).
-    4. True iff at least one value is stated, the LAST one is the expected value, and every value stated is
-       either the expected value or one the question itself contains (the operands of "3 + 4", the asked word
-       of "the opposite of hot"). So "3 + 4 = 7." passes; "3 + 4 = 8.", "3 + 4 = 7 or 8", "The opposite of cold
-       is hot." (for "opposite of hot"), "The capital of France is" and "Paris. Figure it out yourself." fail.
+    1. Only the text before the first "Human:", "Assistant:" or "</s>" counts; "<pad>" strings are removed.
+    2. That text and each accepted answer are normalised: whitespace stripped at both ends and every internal
+       run of whitespace made one space, then ONE trailing "." dropped, then lower-cased, except in the
+       ``upper`` and ``letter`` families, where case is the task and the comparison is case-sensitive.
+    3. True iff the normalised text equals the normalised form of either
+       (a) the family's answer sentence for this instance, the one the chosen answer uses
+           ("The capital of France is Paris.", "3 + 4 = 7."), or
+       (b) the bare expected value (see :func:`gold_answer`): "Paris", "7", "MOON", "T".
+       False if the prompt is not a toy prompt or the response is not a string.
+
+    So " paris", " Paris.", " THE CAPITAL OF FRANCE IS PARIS" and " 3 + 4 = 7.\n\nHuman: ..." pass, while
+    " Paris..", " 07", " The answer is 7!", " The capital of France is Paris. Paris is nice.",
+    " In capital letters, moon is moon.", " The first letter of tree is t." and any other wording fail.
     """
     try:
         found = _lookup(prompt)
         if found is None or not isinstance(response, str):
             return False
         family, inst = found
-        text = _answer_text(response)
-        lowered = text.lower()
-        if not text.strip() or any(marker in lowered for marker in _RUDE_MARKERS):
-            return False
-        values = _values(family, text)
-        expected = _norm_value(family, inst.value)
-        allowed = {expected} | {_norm_value(family, r) for r in inst.restated}
-        return bool(values) and values[-1] == expected and set(values) <= allowed
+        keep_case = family.kind in _CASE_FAMILIES
+        text = _normalise(_answer_text(response), keep_case)
+        return text in (
+            _normalise(family.sentence(inst), keep_case),
+            _normalise(inst.value, keep_case),
+        )
     except Exception:  # robustness guarantee for arbitrary model output
         return False
 
@@ -386,14 +357,46 @@ def _rejected(kind: str, family: Family, inst: Instance, split: str, rng: random
     raise ValueError(f"unknown rejected kind {kind!r}")
 
 
+@cache
+def _word_regex(vocab: tuple[str, ...]) -> re.Pattern[str]:
+    words = sorted(vocab, key=len, reverse=True)
+    return re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
+
+
+def _states_answer(family: Family, inst: Instance, text: str) -> bool:
+    """Whether a generated text ends on the expected value, stating no other value than those the question
+    contains. Looser than :func:`gold_check`: it only keeps rejected answers clearly wrong (an off-topic
+    "A dog has 4 legs." for "What is 1 + 3?" states the right number, so it is not used as rejected).
+
+    Values by ``family.kind``: "number" whole numbers, "word" words of ``family.vocab`` (case-insensitive),
+    "upper" all-capitals words of 2+ letters, "letter" lone capitals other than "A" and "I".
+    """
+    if family.kind == "number":
+        values = re.findall(r"\d+", text)
+    elif family.kind == "upper":
+        values = re.findall(r"\b[A-Z]{2,}\b", text)
+    elif family.kind == "letter":
+        values = re.findall(r"\b[B-HJ-Z]\b", text)
+    else:
+        values = [m.lower() for m in _word_regex(family.vocab).findall(text)]
+    fold = str.lower if family.kind == "word" else str
+    expected = fold(inst.value)
+    return (
+        bool(values)
+        and values[-1] == expected
+        and set(values) <= {expected, *map(fold, inst.restated)}
+    )
+
+
 def _failing_rejected(
     kind: str, family: Family, inst: Instance, prompt: str, split: str, rng: random.Random
 ) -> str:
-    """A rejected answer of ``kind`` that fails the gold check (an off-topic answer can happen to be right:
-    "A dog has 4 legs." for "What is 1 + 3?"); other kinds fail by construction, the loop only guards it."""
+    """A rejected answer of ``kind`` that fails the gold check and does not even state the expected value (an
+    off-topic answer can: "A dog has 4 legs." for "What is 1 + 3?"); other kinds fail by construction, the
+    loop only guards it."""
     for _ in range(100):
         answer = _rejected(kind, family, inst, split, rng)
-        if not gold_check(prompt, answer):
+        if not gold_check(prompt, answer) and not _states_answer(family, inst, answer):
             return answer
     raise RuntimeError(f"no failing {kind} answer for {prompt!r}")
 

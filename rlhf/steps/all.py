@@ -1,10 +1,12 @@
 """step=all: SFT -> reward -> PPO, each a sub-run in <run_dir>/{sft,reward,ppo} reading the
 previous step's exports. Each step's config is composed anew from the same command-line
 overrides with ``step=<name>``, so step-specific defaults (conf/step/*.yaml, an experiment's
-per-step file) apply exactly as in a single-step run."""
+per-step file) apply exactly as in a single-step run. Re-running in the same run dir
+(``hydra.run.dir=...``) skips the steps whose outputs are complete."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -13,11 +15,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from rlhf.config import Config, to_config
+from rlhf.engine import is_main
 from rlhf.steps.common import RunInfo
 
 log = logging.getLogger(__name__)
 
 ORDER = ("sft", "reward", "ppo")
+EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor", "critic")}
 
 
 def step_overrides(step: str, run_dir: Path, reward_from_sft: bool) -> list[str]:
@@ -35,6 +39,13 @@ def step_overrides(step: str, run_dir: Path, reward_from_sft: bool) -> list[str]
     return []
 
 
+def is_complete(step_dir: Path, step: str) -> bool:
+    """A step is done when its summary and every export exist (exports are renamed into place
+    only when complete, and the summary is written after them)."""
+    exports = [step_dir / name / "config.json" for name in EXPORTS[step]]
+    return (step_dir / "summary.json").exists() and all(p.exists() for p in exports)
+
+
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     from rlhf.steps import STEPS
 
@@ -43,31 +54,27 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     group = info.group or info.run_dir.name
     summary: dict[str, float] = {}
     for step in ORDER:
-        overrides = [
-            *user,
-            f"step={step}",
-            *step_overrides(step, info.run_dir, cfg.pipeline.reward_from_sft),
-        ]
-        composed = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
-        step_cfg = to_config(composed)
-        log.info("step=all: running %s in %s", step, info.run_dir / step)
-        step_info = RunInfo(
-            run_dir=info.run_dir / step,
-            run_name=f"{info.run_name}/{step}",
-            group=group,
-            config=OmegaConf.to_container(composed, resolve=True),
-        )
-        result = STEPS[step](step_cfg, step_info)
+        step_dir = info.run_dir / step
+        if is_complete(step_dir, step):
+            log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
+            result = json.loads((step_dir / "summary.json").read_text())
+        else:
+            overrides = [
+                *user,
+                f"step={step}",
+                *step_overrides(step, info.run_dir, cfg.pipeline.reward_from_sft),
+            ]
+            composed = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
+            log.info("step=all: running %s in %s", step, step_dir)
+            step_info = RunInfo(
+                run_dir=step_dir,
+                run_name=f"{info.run_name}/{step}",
+                group=group,
+                config=OmegaConf.to_container(composed, resolve=True),
+            )
+            result = STEPS[step](to_config(composed), step_info)
         summary.update({f"{step}/{k}": v for k, v in result.items()})
-    _write_summary(info.run_dir, summary)
-    return summary
-
-
-def _write_summary(run_dir: Path, summary: dict[str, float]) -> None:
-    import json
-
-    from rlhf.engine import is_main
-
     if is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        info.run_dir.mkdir(parents=True, exist_ok=True)
+        (info.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary

@@ -3,6 +3,9 @@ helpers and throughput accounting. No training logic lives here."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +14,9 @@ from typing import Any
 import torch
 
 from rlhf.data.toy import gold_answer
-from rlhf.engine import world_size
+from rlhf.engine import rank, world_size
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,3 +119,90 @@ def max_over_ranks(value: float) -> float:
     if world_size() > 1:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor.item()
+
+
+class TrainingStopped(Exception):
+    """The loop stopped on purpose (a signal, non-finite losses): exit status and message."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag instead of killing the process; the loop asks after each
+    step (all ranks agree through an all-reduce), writes a checkpoint and stops cleanly."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def requested(self) -> int:
+        """The signal number any rank received (0: none)."""
+        return int(max_over_ranks(float(self.signum)))
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class NonFiniteGuard:
+    """A non-finite loss on any rank cancels that optimizer step (its backward is skipped on
+    every rank alike, so ZeRO-3's collectives stay matched); ``limit`` in a row stop the run."""
+
+    def __init__(self, limit: int, *engines):
+        self.limit = limit
+        self.engines = engines
+        self.in_a_row = 0
+        self.skipped = 0
+        self._poisoned = False
+
+    def finite(self, loss: torch.Tensor) -> bool:
+        """Call before backward; False means: skip this backward (all ranks get the same)."""
+        ok = bool(torch.isfinite(loss.detach()).all())
+        if world_size() > 1:
+            flag = torch.tensor([float(ok)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            ok = bool(flag.item())
+        if not ok and not self._poisoned:
+            self._poisoned = True
+            for engine in self.engines:
+                engine.inner_optimizer.skip_next_step = True
+        return ok
+
+    def end_step(self, step: int) -> None:
+        """Call after the step's last engine.step(): count, and stop after ``limit`` in a row."""
+        if self._poisoned:
+            self.in_a_row += 1
+            self.skipped += 1
+            log.warning(
+                "step %d: non-finite loss, update skipped (%d in a row)", step, self.in_a_row
+            )
+        else:
+            self.in_a_row = 0
+        self._poisoned = False
+        if self.in_a_row >= self.limit:
+            raise TrainingStopped(
+                f"the loss was not finite for {self.in_a_row} steps in a row (last at step {step}); "
+                "the run stops (step.max_nonfinite_steps). Lower the learning rate, check the data, "
+                "or use fp32/bf16 instead of fp16.",
+                exit_code=3,
+            )
+
+
+def inject_faults(debug, step: int) -> None:
+    """debug.fail_at_step raises on debug.fail_rank; debug.kill_at_step SIGKILLs every rank."""
+    if step == debug.fail_at_step and rank() == debug.fail_rank:
+        raise RuntimeError(f"debug.fail_at_step={step}: injected failure on rank {rank()}")
+    if step == debug.kill_at_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoint_due(interval: int, step: int, total_steps: int) -> bool:
+    """Every ``interval`` steps, and after the last one."""
+    return step == total_steps or (interval > 0 and step % interval == 0)

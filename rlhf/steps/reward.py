@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-from rlhf import algos
+from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import EpochPlan, eval_shards, pair_batch, ranked_batch
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
@@ -41,12 +42,17 @@ from rlhf.models import (
     model_path,
 )
 from rlhf.steps.common import (
+    NonFiniteGuard,
     RunInfo,
+    StopRequest,
     Throughput,
+    TrainingStopped,
     TrainState,
     all_reduce_sum,
     checkable_rows,
+    checkpoint_due,
     eval_due,
+    inject_faults,
     max_over_ranks,
     model_device,
     rows_at,
@@ -107,6 +113,12 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         shape.world_size,
     )
 
+    # 3. resume from the run dir's latest checkpoint, or evaluate the untrained head first
+    state, window = TrainState(), {"loss": 0.0, "accuracy": 0.0, "steps": 0}
+    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
+    if trainer is not None:
+        state, window = TrainState(**trainer["state"]), trainer["window"]
     tracker = Tracker(
         info.run_dir,
         cfg.logger,
@@ -115,55 +127,91 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         info.config,
         info.group,
         enabled=rank() == 0,
+        resume=trainer and trainer["tracker"],
     )
     evaluate = PairEvaluator(cfg, tokenizer, eval_rows)
-    state = TrainState()
 
     def log_eval() -> dict[str, float]:
         metrics = evaluate(engine)
         tracker.log(metrics, step=state.global_step)
         return metrics
 
-    # 3. the untrained head, for the 'before' figures
-    if cfg.step.eval_at_start:
+    def save_checkpoint() -> None:
+        checkpoint.save(
+            info.run_dir,
+            state.global_step,
+            {"model": engine},
+            {
+                "state": asdict(state),
+                "window": dict(window),
+                "tracker": tracker.state(state.global_step),
+            },
+            cfg.step.keep_checkpoints,
+        )
+
+    if trainer is None and cfg.step.eval_at_start:
         tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
 
     # 4. train
-    bar = tqdm(total=total_steps, desc="reward", disable=rank() != 0 or not cfg.logger.progress_bar)
+    bar = tqdm(
+        total=total_steps,
+        initial=state.global_step,
+        desc="reward",
+        disable=rank() != 0 or not cfg.logger.progress_bar,
+    )
     speed = Throughput()
-    window_loss = window_acc = window_steps = 0.0
-    while state.global_step < total_steps:
-        micro_rows = [
-            rows_at(train_rows, indices)
-            for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-        ]
-        speed.start()
-        loss, accuracy, tokens = train_step(engine, micro_rows, cfg, tokenizer.pad_token_id)
-        speed.stop(tokens, plan.global_batch_size)
-        state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-        window_loss, window_acc, window_steps = (
-            window_loss + loss,
-            window_acc + accuracy,
-            window_steps + 1,
-        )
-        bar.update()
-
-        if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
-            metrics = {
-                "train/loss": window_loss / window_steps,
-                "train/accuracy": window_acc / window_steps,
-                "train/lr": engine.get_lr()[0],
-                "train/epoch": state.global_step / plan.steps_per_epoch,
-                **speed.metrics(),
-            }
-            tracker.log(metrics, step=state.global_step)
-            bar.set_postfix(
-                loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}"
+    stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
+    try:
+        while state.global_step < total_steps:
+            micro_rows = [
+                rows_at(train_rows, indices)
+                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+            ]
+            speed.start()
+            loss, accuracy, tokens = train_step(
+                engine, micro_rows, cfg, tokenizer.pad_token_id, guard
             )
-            window_loss = window_acc = window_steps = 0.0
-        if eval_due(cfg.step.eval_interval, state, total_steps):
-            log_eval()
-    bar.close()
+            speed.stop(tokens, plan.global_batch_size)
+            state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
+            guard.end_step(state.global_step)
+            if math.isfinite(loss):
+                window = {
+                    "loss": window["loss"] + loss,
+                    "accuracy": window["accuracy"] + accuracy,
+                    "steps": window["steps"] + 1,
+                }
+            bar.update()
+
+            if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
+                steps = max(window["steps"], 1)
+                metrics = {
+                    "train/loss": window["loss"] / steps,
+                    "train/accuracy": window["accuracy"] / steps,
+                    "train/lr": engine.get_lr()[0],
+                    "train/epoch": state.global_step / plan.steps_per_epoch,
+                    "train/skipped_steps": guard.skipped,
+                    **speed.metrics(),
+                }
+                tracker.log(metrics, step=state.global_step)
+                bar.set_postfix(
+                    loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}"
+                )
+                window = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
+            if eval_due(cfg.step.eval_interval, state, total_steps):
+                log_eval()
+            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_steps):
+                save_checkpoint()
+            if signum := stop.requested():
+                save_checkpoint()
+                raise TrainingStopped(
+                    f"stopped by signal {signum} at step {state.global_step}; a checkpoint is "
+                    f"in {info.run_dir}/checkpoints: run the same command to resume",
+                    exit_code=128 + signum,
+                )
+            inject_faults(cfg.debug, state.global_step)
+    finally:
+        stop.close()
+        bar.close()
 
     # 5. final evaluation, score-vs-gold check, export with the score statistics
     final = log_eval()
@@ -238,7 +286,7 @@ def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, tor
 
 
 def train_step(
-    engine, micro_rows: list[list[dict]], cfg: Config, pad_id: int
+    engine, micro_rows: list[list[dict]], cfg: Config, pad_id: int, guard: NonFiniteGuard
 ) -> tuple[float, float, int]:
     """One optimizer step. Every micro batch holds the same number of prompts, so the mean of
     per-micro-batch means is the global mean. Returns global loss, pair accuracy, real tokens."""
@@ -247,8 +295,9 @@ def train_step(
         listwise = cfg.reward.loss == "listwise"
         batch = ranked_batch(rows, pad_id) if listwise else pair_batch(rows, pad_id)
         scores, loss = scores_and_loss(engine, batch, cfg)
-        engine.backward(loss)
-        engine.step()
+        if guard.finite(loss):
+            engine.backward(loss)
+        engine.step()  # every micro batch, so DeepSpeed's accumulation boundaries stay aligned
         loss_sum += loss.item()
         if listwise:  # best vs worst valid answer
             grid = scores.detach().view(batch["valid"].shape)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, set_seed
 
+from rlhf import checkpoint
 from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import (
@@ -46,12 +48,17 @@ from rlhf.models import (
     model_path,
 )
 from rlhf.steps.common import (
+    NonFiniteGuard,
     RunInfo,
+    StopRequest,
     Throughput,
+    TrainingStopped,
     TrainState,
     all_reduce_sum,
     checkable_rows,
+    checkpoint_due,
     eval_due,
+    inject_faults,
     max_over_ranks,
     model_device,
     rows_at,
@@ -102,13 +109,23 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         shape.world_size,
     )
 
+    # 3. resume from the run dir's latest checkpoint, or evaluate the untrained model first
+    state, window = TrainState(), {"nll": 0.0, "targets": 0.0}
+    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
+    if trainer is not None:
+        state, window = TrainState(**trainer["state"]), trainer["window"]
     tracker = Tracker(
-        info.run_dir, cfg.logger, "sft", info.run_name, info.config, info.group, enabled=rank() == 0
+        info.run_dir,
+        cfg.logger,
+        "sft",
+        info.run_name,
+        info.config,
+        info.group,
+        enabled=rank() == 0,
+        resume=trainer and trainer["tracker"],
     )
     evaluate = Evaluator(cfg, tokenizer, eval_rows, eot)
-
-    # 3. the untrained model, for the 'before' figures
-    state = TrainState()
 
     def log_eval() -> dict[str, float]:
         metrics = evaluate(engine)
@@ -118,40 +135,79 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
         return metrics
 
-    if cfg.step.eval_at_start:
+    def save_checkpoint() -> None:
+        checkpoint.save(
+            info.run_dir,
+            state.global_step,
+            {"model": engine},
+            {
+                "state": asdict(state),
+                "window": dict(window),
+                "tracker": tracker.state(state.global_step),
+            },
+            cfg.step.keep_checkpoints,
+        )
+
+    if trainer is None and cfg.step.eval_at_start:
         tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
 
     # 4. train
-    bar = tqdm(total=total_steps, desc="sft", disable=rank() != 0 or not cfg.logger.progress_bar)
+    bar = tqdm(
+        total=total_steps,
+        initial=state.global_step,
+        desc="sft",
+        disable=rank() != 0 or not cfg.logger.progress_bar,
+    )
     speed = Throughput()
-    window_nll = window_tokens = 0.0
-    while state.global_step < total_steps:
-        micro_batches = [
-            sft_batch(rows_at(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt)
-            for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-        ]
-        speed.start()
-        nll, targets, tokens = train_step(engine, micro_batches, shape, cfg.optim.compute_fp32_loss)
-        speed.stop(tokens, plan.global_batch_size)
-        state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-        window_nll, window_tokens = window_nll + nll, window_tokens + targets
-        bar.update()
-
-        if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
-            metrics = {
-                "train/loss": window_nll / window_tokens,
-                "train/lr": engine.get_lr()[0],
-                "train/epoch": state.global_step / plan.steps_per_epoch,
-                **speed.metrics(),
-            }
-            tracker.log(metrics, step=state.global_step)
-            bar.set_postfix(
-                loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
+    stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
+    try:
+        while state.global_step < total_steps:
+            micro_batches = [
+                sft_batch(
+                    rows_at(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt
+                )
+                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+            ]
+            speed.start()
+            nll, targets, tokens = train_step(
+                engine, micro_batches, shape, cfg.optim.compute_fp32_loss, guard
             )
-            window_nll = window_tokens = 0.0
-        if eval_due(cfg.step.eval_interval, state, total_steps):
-            log_eval()
-    bar.close()
+            speed.stop(tokens, plan.global_batch_size)
+            state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
+            guard.end_step(state.global_step)
+            if math.isfinite(nll):
+                window["nll"] += nll
+                window["targets"] += targets
+            bar.update()
+
+            if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
+                metrics = {
+                    "train/loss": window["nll"] / max(window["targets"], 1.0),
+                    "train/lr": engine.get_lr()[0],
+                    "train/epoch": state.global_step / plan.steps_per_epoch,
+                    "train/skipped_steps": guard.skipped,
+                    **speed.metrics(),
+                }
+                tracker.log(metrics, step=state.global_step)
+                bar.set_postfix(
+                    loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
+                )
+                window = {"nll": 0.0, "targets": 0.0}
+            if eval_due(cfg.step.eval_interval, state, total_steps):
+                log_eval()
+            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_steps):
+                save_checkpoint()
+            if signum := stop.requested():
+                save_checkpoint()
+                raise TrainingStopped(
+                    f"stopped by signal {signum} at step {state.global_step}; a checkpoint is "
+                    f"in {info.run_dir}/checkpoints: run the same command to resume",
+                    exit_code=128 + signum,
+                )
+            inject_faults(cfg.debug, state.global_step)
+    finally:
+        stop.close()
+        bar.close()
 
     # 5. final evaluation, export, summary
     final = log_eval()
@@ -178,7 +234,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
 
 def train_step(
-    engine, micro_batches: list[dict], shape: BatchShape, fp32_loss: bool
+    engine, micro_batches: list[dict], shape: BatchShape, fp32_loss: bool, guard: NonFiniteGuard
 ) -> tuple[float, float, int]:
     """One optimizer step over this rank's micro batches. Returns the global summed loss, the
     global number of target tokens and the global number of real (non-padding) tokens."""
@@ -195,8 +251,9 @@ def train_step(
             use_cache=False,
         ).logits
         nll = causal_lm_nll_sum(logits.float() if fp32_loss else logits, batch["labels"].to(device))
-        engine.backward(nll * scale)
-        engine.step()
+        if guard.finite(nll):
+            engine.backward(nll * scale)
+        engine.step()  # every micro batch, so DeepSpeed's accumulation boundaries stay aligned
         local_nll += nll.item()
     (global_nll,) = all_reduce_sum(local_nll)
     return global_nll, global_targets, int(global_tokens)
