@@ -31,6 +31,7 @@ SCHEDULERS = (
     "warmup_stable_decay",
 )
 LOGGER_BACKENDS = ("none", "wandb", "tensorboard")
+OVERLONG_PROMPTS = ("truncate", "skip", "error")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
@@ -128,9 +129,13 @@ class DataConfig:
     phase_split: list[int] = field(default_factory=lambda: [2, 4, 4])  # sft, reward, ppo shares
     max_seq_len: int = 512  # prompt + answer tokens (SFT and reward)
     max_prompt_len: int = 256  # prompt tokens, left-truncated (PPO prompts; eval generation)
+    # a prompt longer than max_prompt_len: truncate (keep BOS + its end) | skip the row | error
+    overlong_prompts: str = "truncate"
     max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all
     seed: int = 1234  # the phase split and the shuffle
     cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
+    group_by_length: bool = True  # sort each global batch by length before cutting micro batches
+    pad_to_max_len: bool = False  # pad every SFT/reward sequence to max_seq_len (DeepSpeed-Chat)
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -152,6 +157,10 @@ class DataConfig:
             out.append(("max_prompt_len", self.max_prompt_len, "1 <= max_prompt_len < max_seq_len"))
         if self.max_eval_rows < 0:
             out.append(("max_eval_rows", self.max_eval_rows, "an integer >= 0"))
+        if self.overlong_prompts not in OVERLONG_PROMPTS:
+            out.append(
+                ("overlong_prompts", self.overlong_prompts, f"one of {', '.join(OVERLONG_PROMPTS)}")
+            )
         return out
 
 
@@ -366,6 +375,7 @@ class PPOConfig:
     top_k: int = 0
     greedy: bool = False
     min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
+    stop_at_eos: bool = True  # false: always generate max_new_tokens (DeepSpeed-Chat's cost)
     # reward shaping
     kl_coef: float = 0.1
     kl_estimator: str = "k1"

@@ -109,6 +109,46 @@ def make_experience(
 ) -> Experience:
     """Score a rollout with the four models (all in eval mode, so the old log-probs come from
     the generating weights without dropout) and compute rewards and advantages."""
+    for trained in (actor, critic):
+        trained.eval()
+    try:
+        return _score(
+            rollout,
+            actor,
+            reference,
+            critic,
+            reward_model,
+            kl_coef,
+            kl_estimator,
+            clip_reward_value,
+            gamma,
+            lam,
+            min_response_tokens,
+            score_position,
+            reward_stats,
+            device,
+        )
+    finally:
+        for trained in (actor, critic):
+            trained.train()
+
+
+def _score(
+    rollout,
+    actor,
+    reference,
+    critic,
+    reward_model,
+    kl_coef,
+    kl_estimator,
+    clip_reward_value,
+    gamma,
+    lam,
+    min_response_tokens,
+    score_position,
+    reward_stats,
+    device,
+) -> Experience:
     sequences = rollout.sequences.to(device)
     attention_mask = rollout.attention_mask.to(device)
     start = rollout.prompt_width - 1

@@ -19,6 +19,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    stop_at_eos: bool = True  # false: every answer runs to max_new_tokens (masked after its end)
 
 
 class Rollout(NamedTuple):
@@ -61,7 +62,7 @@ def generate(
         top_p=sampling.top_p if not sampling.greedy else None,
         top_k=sampling.top_k if not sampling.greedy else None,
         pad_token_id=pad_id,
-        eos_token_id=end_id,
+        eos_token_id=end_id if sampling.stop_at_eos else None,
     )
     was_training = model.training
     model.eval()

@@ -73,7 +73,7 @@ def tiny_model_dir(model: ModelConfig, cache_dir: str) -> Path:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         lm.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)  # atomic: a crash never leaves a half-built model behind
+        publish_dir(tmp, out)
         log.info("built the tiny model (%.2fM parameters) in %s", lm.num_parameters() / 1e6, out)
     barrier()
     return out
@@ -287,6 +287,18 @@ def export_pretrained(
         else:
             os.replace(tmp, out_dir)
     barrier()
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Rename a finished directory into place (atomic: a crash never leaves a half-built one).
+    If a concurrent job (a parallel sweep sharing the cache) got there first, keep theirs: the
+    content is a pure function of the name."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not out.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -63,7 +63,7 @@ class Tracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: plain(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         self.summary_metrics.update(row)
@@ -86,7 +86,7 @@ class Tracker:
             self._wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def summary(self, metrics: dict[str, Any]) -> None:
-        self.summary_metrics.update({k: _plain(v) for k, v in metrics.items()})
+        self.summary_metrics.update({k: plain(v) for k, v in metrics.items()})
 
     def close(self) -> None:
         if not self.enabled:
@@ -158,11 +158,11 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return None  # JSON has no NaN: null
     return value
 
 

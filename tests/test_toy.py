@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from rlhf.assets import TINY_TOKENIZER_DIR, build_tokenizer
 from rlhf.data import toy
 
-COLUMNS = {"prompt", "response", "chosen", "rejected", "task", "rejected_kind"}
+COLUMNS = {"prompt", "response", "chosen", "rejected", "task", "rejected_kind", "wrong_kind"}
 ARITH = re.compile(r"(\d+) (?:\+|plus|-|minus) (\d+)")
 
 
@@ -73,7 +73,15 @@ def test_schema_and_rm_static_format(train_rows):
         assert row["chosen"].startswith(" ") and row["rejected"].startswith(" ")
         assert row["chosen"] != row["rejected"]
         assert row["task"] in toy.FAMILIES and row["rejected_kind"] in toy.REJECTED_KINDS
+        if row["rejected_kind"] == "wrong":
+            assert row["wrong_kind"] in toy.WRONG_KINDS
+        else:
+            assert row["wrong_kind"] == ""
         assert row["responses"][0] == row["chosen"] and len(set(row["responses"])) == 5
+        # the rejected answer holds its kind's place in the ranking
+        assert (
+            row["responses"][1 + toy.REJECTED_KINDS.index(row["rejected_kind"])] == row["rejected"]
+        )
     assert {r["task"] for r in train_rows} == set(toy.FAMILIES)
     assert {r["rejected_kind"] for r in train_rows} == set(toy.REJECTED_KINDS)
 
@@ -98,12 +106,172 @@ def test_rejected_kinds_look_like_their_names(train_rows):
         chosen, rejected, kind = row["chosen"], row["rejected"], row["rejected_kind"]
         if kind == "truncated":
             assert chosen.startswith(rejected) and not rejected.endswith(".")
-        elif kind == "wrong":  # same sentence, another value
+        elif row["wrong_kind"] == "value":  # same sentence, another value
             assert chosen.split()[:2] == rejected.split()[:2]
         elif kind == "off_topic":
             assert any(
                 rejected.startswith(" " + f.answer.split("{")[0]) for f in toy.FAMILIES.values()
             )
+
+
+# The wrong sub-variants: a template parsed back into its subject and value.
+def template_regex(family):
+    slots = {
+        "{x}": r"(?P<x>\S+)",
+        "{a_x}": r"(?:a|an) (?P<x>\S+)",
+        "{A_x}": r"(?:A|An) (?P<x>\S+)",
+        "{a}": r"(?P<a>\S+)",
+        "{b}": r"(?P<b>\S+)",
+        "{v}": r"(?P<v>\S+)",
+    }
+    parts = re.split(r"(\{\w+\})", family.answer)
+    return re.compile("".join(slots.get(p, re.escape(p)) for p in parts))
+
+
+def parse(family, text):
+    """(subject, value) of ``text`` read with ``family``'s answer template, or None; the subject is (x,) or
+    (a, b), read from the words only (any article)."""
+    m = template_regex(family).fullmatch(text.strip())
+    if m is None:
+        return None
+    fields = m.groupdict()
+    subject = (fields["x"],) if "x" in fields else (fields["a"], fields["b"])
+    return subject, fields["v"]
+
+
+def subject_of(inst):
+    fields = dict(inst.fields)
+    return (fields["x"],) if "x" in fields else (fields["a"], fields["b"])
+
+
+def answer_space(family):
+    values = {v for i in family.instances for v in (i.value, *i.wrong)} | set(family.vocab)
+    return {v.lower() for v in values}
+
+
+def words(text):
+    return text.strip().removesuffix(".").split(" ")
+
+
+TRUE_SENTENCES = {
+    " ".join(f.sentence(i).lower().split()) for f in toy.FAMILIES.values() for i in f.instances
+}
+
+
+@pytest.fixture(scope="module")
+def many_rows():
+    return toy.generate_toy_rows("train", 20000, seed=3)
+
+
+def test_kind_proportions(many_rows):
+    n = len(many_rows)
+    for kind, weight in zip(toy.REJECTED_KINDS, toy._REJECTED_WEIGHTS, strict=True):
+        assert sum(r["rejected_kind"] == kind for r in many_rows) / n == pytest.approx(
+            weight, abs=0.02
+        )
+    wrong = [r["wrong_kind"] for r in many_rows if r["rejected_kind"] == "wrong"]
+    for kind, weight in zip(toy.WRONG_KINDS, toy._WRONG_WEIGHTS, strict=True):
+        assert wrong.count(kind) / len(wrong) == pytest.approx(weight, abs=0.02)
+    # the well-formed wrong answer stays the most frequent
+    assert max(toy.WRONG_KINDS, key=wrong.count) == "value"
+
+
+def test_every_wrong_kind_appears_in_every_family(many_rows, test_rows):
+    seen = {(r["task"], r["wrong_kind"]) for r in many_rows if r["rejected_kind"] == "wrong"}
+    assert seen == {(t, k) for t in toy.FAMILIES for k in toy.WRONG_KINDS}
+    assert {r["wrong_kind"] for r in test_rows if r["rejected_kind"] == "wrong"} == set(
+        toy.WRONG_KINDS
+    )
+
+
+def test_wrong_answers_are_never_true_statements(train_rows, test_rows, many_rows):
+    for row in train_rows + test_rows + many_rows:
+        answers = [row["rejected"]] if row["rejected_kind"] == "wrong" else []
+        answers += row.get("responses", [None, None])[1:2]  # the ranked wrong answer
+        for answer in filter(None, answers):
+            assert " ".join(answer.lower().split()) not in TRUE_SENTENCES, (row["prompt"], answer)
+            assert not toy.gold_check(row["prompt"], answer)
+
+
+def test_wrong_kinds_have_the_property_they_claim(many_rows, test_rows):
+    wrong_rows = [r for r in many_rows + test_rows if r["rejected_kind"] == "wrong"]
+    for row in wrong_rows:
+        family, inst = toy._lookup(row["prompt"])
+        rejected, kind = row["rejected"], row["wrong_kind"]
+        subjects = {subject_of(i): i for i in family.instances}
+        own = parse(family, rejected)
+        assert rejected.startswith(" ") and rejected.endswith("."), row
+        if kind == "value":  # right subject, a wrong value of the same answer space
+            assert own is not None and own[0] == subject_of(inst) and own[1] in inst.wrong, row
+        elif kind in ("subject", "subject_value"):  # another subject of the family
+            assert own is not None and own[0] != subject_of(inst) and own[0] in subjects, row
+            other = subjects[own[0]]
+            assert own[1] != other.value, row  # a false statement about that subject too
+            if kind == "subject":
+                assert own[1] == inst.value, row
+            else:
+                assert own[1] != inst.value and own[1].lower() in answer_space(family), row
+        elif kind == "other_family":
+            # this template with a subject of no question of the family, or this subject in another template
+            foreign_subject = own is not None and own[0] not in subjects
+            other_template = any(
+                (parsed := parse(f, rejected)) is not None and parsed[0] == subject_of(inst)
+                for f in toy.FAMILIES.values()
+                if f is not family
+            )
+            assert foreign_subject or other_template, row
+            assert own is None or own[0] not in subjects, row
+        elif (
+            kind == "repeat_drop"
+        ):  # the chosen sentence with one word repeated or one word dropped
+            c, r = words(row["chosen"]), words(rejected)
+            assert inst.value in r, row
+            if len(r) == len(c) + 1:
+                assert any(r[i] == r[i + 1] and r[:i] + r[i + 1 :] == c for i in range(len(c))), row
+            else:
+                assert len(r) == len(c) - 1, row
+                assert any(c[:i] + c[i + 1 :] == r for i in range(len(c))), row
+        elif kind == "foreign_value":  # right subject, a value of another kind
+            assert own is not None and own[0] == subject_of(inst), row
+            assert own[1].lower() not in answer_space(family), row
+            if family.kind == "number":
+                assert not own[1].isdigit(), row
+        else:
+            raise AssertionError(row)
+
+
+def test_wrong_kinds_mimic_observed_policy_errors(many_rows):
+    def examples(kind, task):
+        return [r["rejected"] for r in many_rows if r["wrong_kind"] == kind and r["task"] == task]
+
+    # "An snake has 2 legs.": the noun swapped, the article kept
+    assert any(
+        r.startswith(" An ") and r.split()[1][0] not in "aeiou" for r in examples("subject", "legs")
+    )
+    # "The first letter of 3 is E.": a subject of another family
+    assert any(
+        re.fullmatch(r" The first letter of \d+ is [A-Z]\.", r)
+        for r in examples("other_family", "letter")
+    )
+    # "In capital letters, egg is MILK.": another family's template
+    assert any(r.startswith(" In capital letters,") for r in examples("other_family", "letter"))
+    # "9 + 8 = 14." for 6 + 8: operands changed, the result kept; and the other operation
+    assert examples("subject", "add") and any(" - " in r for r in examples("other_family", "add"))
+    # "7 + 6 = buses.": a non-number result
+    assert all(
+        re.fullmatch(r" \d+ \+ \d+ = [^\d\s]+\.", r) for r in examples("foreign_value", "add")
+    )
+    # "An has 2 legs legs.", " The is October is Thursday.": repeated and dropped words
+    garbled = examples("repeat_drop", "legs")
+    assert any(len(r.split()) == 6 for r in garbled) and any(len(r.split()) == 4 for r in garbled)
+
+
+def test_train_rows_name_no_held_out_operands(many_rows):
+    for task in ("add", "subtract"):
+        held_out = {subject_of(inst) for inst, _ in toy._pool("test", task)}
+        for row in many_rows:
+            if row["task"] == task and row["wrong_kind"] in ("subject", "subject_value"):
+                assert parse(toy.FAMILIES[task], row["rejected"])[0] not in held_out, row
 
 
 def test_invalid_arguments_raise():

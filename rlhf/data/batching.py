@@ -10,7 +10,7 @@ independent of rank count, micro batch and gradient accumulation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,10 @@ class EpochPlan:
     world_size: int
     grad_accum: int
     seed: int
+    # row lengths: each global batch is sorted by length before it is dealt into micro batches,
+    # so rows of similar length share a micro batch (less padding; the step's rows, and with the
+    # global token normalisation its update, are unchanged)
+    lengths: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def global_batch_size(self) -> int:
@@ -40,13 +44,15 @@ class EpochPlan:
 
     def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[int]]:
         """This rank's ``grad_accum`` micro batches (row indices) of optimizer step ``step``."""
-        order = self.permutation(epoch)
         start = step * self.global_batch_size
+        rows = self.permutation(epoch)[start : start + self.global_batch_size].tolist()
+        if self.lengths is not None:
+            rows.sort(key=lambda i: -self.lengths[i])
         per_micro = self.micro_batch_size * self.world_size
         out = []
         for k in range(self.grad_accum):
-            lo = start + k * per_micro + rank * self.micro_batch_size
-            out.append(order[lo : lo + self.micro_batch_size].tolist())
+            lo = k * per_micro + rank * self.micro_batch_size
+            out.append(rows[lo : lo + self.micro_batch_size])
         return out
 
 
@@ -67,9 +73,12 @@ def eval_shards(
     ]
 
 
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and attention mask, real tokens first."""
-    width = max(len(s) for s in seqs)
+def right_pad(
+    seqs: list[list[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and attention mask, real tokens first; T is the longest sequence, or ``width``
+    if that is larger (DeepSpeed-Chat pads everything to max_seq_len: the benchmark baseline)."""
+    width = max(width or 0, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -89,11 +98,13 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def sft_batch(rows: list[dict], pad_id: int, loss_on_prompt: bool) -> dict[str, torch.Tensor]:
+def sft_batch(
+    rows: list[dict], pad_id: int, loss_on_prompt: bool, pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
     """prompt + chosen (+ end-of-text). ``labels`` hold the token ids where the loss counts and
     IGNORE_INDEX elsewhere: padding never counts, the prompt only with loss_on_prompt."""
     seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows]
-    input_ids, attention_mask = right_pad(seqs, pad_id)
+    input_ids, attention_mask = right_pad(seqs, pad_id, pad_to)
     labels = torch.where(attention_mask.bool(), input_ids, IGNORE_INDEX)
     if not loss_on_prompt:
         for i, r in enumerate(rows):
@@ -113,16 +124,18 @@ def token_loss_scale(global_tokens: int, world_size: int, grad_accum: int) -> fl
     return world_size * grad_accum / max(global_tokens, 1)
 
 
-def pair_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def pair_batch(rows: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """B pairs -> 2B right-padded sequences, chosen first then rejected (DeepSpeed-Chat's layout),
     with ``response_mask`` True on answer tokens."""
     seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows]
     seqs += [r["prompt_ids"] + r["rejected_ids"] for r in rows]
     prompt_lens = [len(r["prompt_ids"]) for r in rows] * 2
-    return _with_response_mask(seqs, prompt_lens, pad_id)
+    return _with_response_mask(seqs, prompt_lens, pad_id, pad_to)
 
 
-def ranked_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def ranked_batch(
+    rows: list[dict], pad_id: int, pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
     """B prompts with up to K ranked answers -> B*K sequences (row-major) and ``valid`` (B, K);
     missing answers repeat the prompt's first one and are marked invalid."""
     width = max(len(r["responses_ids"]) for r in rows)
@@ -133,13 +146,15 @@ def ranked_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
             seqs.append(r["prompt_ids"] + answers[min(k, len(answers) - 1)])
             prompt_lens.append(len(r["prompt_ids"]))
             valid.append(k < len(answers))
-    batch = _with_response_mask(seqs, prompt_lens, pad_id)
+    batch = _with_response_mask(seqs, prompt_lens, pad_id, pad_to)
     batch["valid"] = torch.tensor(valid).view(len(rows), width)
     return batch
 
 
-def _with_response_mask(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict:
-    input_ids, attention_mask = right_pad(seqs, pad_id)
+def _with_response_mask(
+    seqs: list[list[int]], prompt_lens: list[int], pad_id: int, pad_to: int | None = None
+) -> dict:
+    input_ids, attention_mask = right_pad(seqs, pad_id, pad_to)
     positions = torch.arange(input_ids.shape[1])
     starts = torch.tensor(prompt_lens).unsqueeze(1)
     response_mask = (positions >= starts) & attention_mask.bool()
@@ -148,3 +163,9 @@ def _with_response_mask(seqs: list[list[int]], prompt_lens: list[int], pad_id: i
         "attention_mask": attention_mask,
         "response_mask": response_mask,
     }
+
+
+def row_lengths(rows, answers: tuple[str, ...] = ("chosen_ids",)) -> tuple[int, ...]:
+    """Prompt + longest answer of every row (for length-grouped batches)."""
+    longest = [max(map(len, a)) for a in zip(*(rows[c] for c in answers))]
+    return tuple(len(p) + n for p, n in zip(rows["prompt_ids"], longest))

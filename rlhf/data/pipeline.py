@@ -23,6 +23,7 @@ from rlhf.config import DataConfig
 from rlhf.data.sources import load_pairs
 from rlhf.data.split import phase_indices
 from rlhf.engine import barrier, is_main
+from rlhf.models import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def phase_dataset(
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         built.save_to_disk(str(tmp))
-        os.replace(tmp, path)
+        publish_dir(tmp, path)
         log.info("tokenised %d %s/%s rows into %s", len(built), phase, split, path)
     barrier()
     return datasets.load_from_disk(str(path))

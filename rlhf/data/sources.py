@@ -34,12 +34,14 @@ Where the rows come from:
   ``eval_fraction`` and the data seed; the carve happens before the ``num_rows`` cap, so the eval rows do
   not change with the cap.
 - ``toy`` generates ``num_rows`` train rows and ``max(num_rows // 10, 1)`` eval rows from the toy task's
-  held-out ``test`` instance space, so eval prompts are never train prompts (its ``task`` and
-  ``rejected_kind`` columns are not kept; the gold checker reads the prompt).
+  held-out ``test`` instance space, so eval prompts are never train prompts (its ``task``,
+  ``rejected_kind`` and ``wrong_kind`` columns are not kept; the gold checker reads the prompt).
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import math
 import os
 import re
@@ -101,6 +103,14 @@ def _human(question: str) -> str:
 def dahoas_pair(row: Row) -> Row | None:
     """Dahoas rm-static / full-hh-rlhf (and toy): the prompt and answers are used as is."""
     return _pair(row["prompt"], row["chosen"], row["rejected"])
+
+
+def toy_pair(row: Row) -> Row | None:
+    """The toy task: rm-static's schema, plus the ranked ``responses`` when generated."""
+    pair = _pair(row["prompt"], row["chosen"], row["rejected"])
+    if pair is not None and row.get("responses"):
+        pair["responses"] = list(row["responses"])
+    return pair
 
 
 def gptj_pairwise_pair(row: Row) -> Row | None:
@@ -220,7 +230,7 @@ ADAPTERS: dict[str, Adapter] = {
         splits=("train", "validation", "test"),
     ),
     "local": Adapter(None, ("prompt",), local_pair, splits=()),
-    "toy": Adapter(None, ("prompt", "chosen", "rejected"), dahoas_pair),
+    "toy": Adapter(None, ("prompt", "chosen", "rejected"), toy_pair),
 }
 
 
@@ -318,12 +328,78 @@ def describe(source: Any) -> str:
     return f"{source.adapter} ({path})"
 
 
-def _open_local(path: str) -> datasets.Dataset | datasets.DatasetDict:
-    path = os.path.expanduser(path)
+def _open_local(source: Any) -> datasets.Dataset | datasets.DatasetDict:
+    """A local file or save_to_disk directory. An empty file is an empty table (the pipeline
+    then reports the source as having no usable rows); bytes that are not UTF-8 and lines
+    that are not JSON are reported with their line number instead of a traceback."""
+    path = os.path.expanduser(source.path)
     if os.path.isdir(path):
         return datasets.load_from_disk(path)
-    builder = _FILE_BUILDERS[os.path.splitext(path)[1].lower()]
-    return datasets.load_dataset(builder, data_files=path, split="train")
+    extension = os.path.splitext(path)[1].lower()
+    if extension in (".jsonl", ".json"):
+        _check_utf8(source, path)
+        if _is_blank(path):
+            return datasets.Dataset.from_dict({})
+    try:
+        return datasets.load_dataset(_FILE_BUILDERS[extension], data_files=path, split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError, StopIteration) as err:
+        where = _first_bad_json(path) if extension in (".jsonl", ".json") else None
+        cause = err.__cause__ or err
+        raise SourceError(
+            f"source {describe(source)}: cannot read {path}: {where or f'{cause}'}"
+        ) from None
+
+
+def _check_utf8(source: Any, path: str) -> None:
+    """Raise a SourceError naming the first line with bytes that are not UTF-8. ``datasets``
+    loads such a file without complaint and fails later, on the first access to that row."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise SourceError(
+                    f"source {describe(source)}: {path} line {number} is not valid UTF-8 "
+                    f"(byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line: "
+                    f"{line[: err.start + 1][-40:]!r}); re-encode the file as UTF-8"
+                ) from None
+
+
+def _is_blank(path: str) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _first_bad_json(path: str) -> str | None:
+    """'line N is not JSON (...)' for the first line of a .jsonl (or the .json document) that
+    does not parse, or None when it all parses."""
+    with open(path, encoding="utf-8") as f:
+        if path.lower().endswith(".json"):
+            try:
+                json.load(f)
+            except json.JSONDecodeError as err:
+                return f"line {err.lineno} is not JSON ({err.msg}, column {err.colno})"
+            return None
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"line {number} is not JSON ({err.msg}): {line.strip()[:40]!r}"
+    return None
 
 
 def _named_split(source: Any, tables: datasets.DatasetDict, name: str) -> datasets.Dataset:
@@ -343,7 +419,7 @@ def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:
     """The raw rows of ``split`` ("train" | "eval"): loaded, carved, capped."""
     adapter = ADAPTERS[source.adapter]
     local = source.adapter == "local" or (source.path is not None and _looks_local(source.path))
-    tables = _open_local(source.path) if local else None
+    tables = _open_local(source) if local else None
     carve = source.eval_split is None or isinstance(tables, datasets.Dataset)
     name = source.train_split if split == "train" or carve else source.eval_split
     if source.adapter == "toy":
@@ -421,17 +497,23 @@ def load_pairs(source: Any, split: str, seed: int) -> tuple[datasets.Dataset, in
     if problems:
         listed = "; ".join(f"{key}={value!r}: expected {ok}" for key, value, ok in problems)
         raise SourceError(f"source {describe(source)}: {listed}")
-    raw = _schema_columns(source, _raw_split(source, split, seed))
+    raw = _raw_split(source, split, seed)
+    if len(raw) == 0 and not raw.column_names:  # an empty file: no rows, no columns
+        return datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(False)), 0
+    raw = _schema_columns(source, raw)
     to_pair = ADAPTERS[source.adapter].to_pair
     if source.adapter == "local":
         to_pair = partial(local_pair, template=source.prompt_template)
     out_columns = [*PAIR_COLUMNS, *(["responses"] if "responses" in raw.column_names else [])]
-    pairs = raw.map(
-        _map_batch,
-        batched=True,
-        fn_kwargs={"to_pair": to_pair, "out_columns": out_columns},
-        remove_columns=raw.column_names,
-        features=_features("responses" in out_columns),
-        desc=f"mapping {source.adapter}",
-    )
+    try:
+        pairs = raw.map(
+            _map_batch,
+            batched=True,
+            fn_kwargs={"to_pair": to_pair, "out_columns": out_columns},
+            remove_columns=raw.column_names,
+            features=_features("responses" in out_columns),
+            desc=f"mapping {source.adapter}",
+        )
+    except UnicodeDecodeError as err:  # a parquet file or saved dataset (files are checked first)
+        raise SourceError(f"source {describe(source)}: a row is not valid UTF-8 ({err})") from None
     return pairs, len(raw) - len(pairs)

@@ -1,8 +1,9 @@
 """The embedded toy task (``data=toy``): a synthetic assistant dataset with checkable answers.
 
 Rows follow Dahoas/rm-static's schema: ``prompt`` ("\\n\\nHuman: {question}\\n\\nAssistant:"), ``response`` (==
-``chosen``), ``chosen`` and ``rejected`` (both start with a space), plus ``task`` (the family) and
-``rejected_kind`` (wrong | off_topic | truncated | rude). Eleven families with small answer spaces:
+``chosen``), ``chosen`` and ``rejected`` (both start with a space), plus ``task`` (the family),
+``rejected_kind`` (wrong | off_topic | truncated | rude) and ``wrong_kind`` (the sub-variant of a wrong answer,
+see :data:`WRONG_KINDS`; "" for the other kinds). Eleven families with small answer spaces:
 ``add``, ``subtract``, ``capital``, ``colour``, ``legs``, ``opposite``, ``day``, ``month``, ``plural``,
 ``upper`` (a word in capital letters) and ``letter`` (first letter of a word). Each has three question
 paraphrases and one answer template whose value comes last ("3 + 4 = 7.", "A spider has 8 legs.").
@@ -10,6 +11,12 @@ paraphrases and one answer template whose value comes last ("3 + 4 = 7.", "A spi
 Held-out test prompts are never train prompts: arithmetic holds out a fixed fifth of the operand pairs; the
 other families hold out one (fact, paraphrase) combination per fact, so the facts and the phrasings are seen
 in training but never together. The split of the instance space does not depend on the seed.
+
+Wrong answers mimic the errors of a small policy, so that a reward model learns to score them low (PPO exploits
+any it never saw): besides the well-formed sentence with a wrong value, a wrong subject, a subject or template of
+another family, a repeated or dropped word, and a value of another kind ("7 + 6 = buses."). A wrong answer is
+never a true statement of the toy world (not even about another question), and every rejected answer fails
+:func:`gold_check`.
 
 :func:`gold_check` scores any generated answer, so learning is measured independently of a reward model. It is
 strict: only the answer sentence of the chosen answer or the bare value passes, up to whitespace, one final full
@@ -30,6 +37,7 @@ import datasets
 __all__ = [
     "FAMILIES",
     "REJECTED_KINDS",
+    "WRONG_KINDS",
     "generate_toy_rows",
     "gold_accuracy",
     "gold_answer",
@@ -43,6 +51,18 @@ __all__ = [
 # reward model must learn the facts.
 REJECTED_KINDS = ("wrong", "off_topic", "truncated", "rude")
 _REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
+# Sub-variants of a wrong answer (the ``wrong_kind`` column), each an error small PPO policies make:
+#   value          the well-formed sentence with a wrong value         "The capital of Spain is Rome."
+#   subject        a wrong subject (arithmetic: operands), right value "The capital of Sweden is Madrid."
+#   subject_value  a wrong subject and a wrong value                   "The capital of Sweden is Warsaw."
+#   other_family   a subject of another family in this template, or    "The month after Tuesday is December."
+#                  this subject in another family's template           "In capital letters, egg is MILK."
+#   repeat_drop    the chosen sentence with one word repeated/dropped  "An ostrich has 2 legs legs."
+#   foreign_value  a value of another family's kind (arithmetic: a     "7 + 6 = buses."
+#                  word, never a number)
+# The well-formed one stays the most frequent: it is the one that teaches the facts.
+WRONG_KINDS = ("value", "subject", "subject_value", "other_family", "repeat_drop", "foreign_value")
+_WRONG_WEIGHTS = (0.4, 0.12, 0.12, 0.12, 0.12, 0.12)
 
 # fmt: off
 _CAPITALS = {
@@ -129,19 +149,29 @@ class Family:
         return before.format(**fields).rstrip(), after.format(**fields)
 
     def sentence(self, inst: Instance, value: str | None = None) -> str:
-        before, after = self.answer_parts(inst)
-        return f"{before} {inst.value if value is None else value}{after}"
+        return self.render(inst.fields, inst.value if value is None else value)
+
+    def render(self, fields: tuple[tuple[str, str], ...], value: str) -> str:
+        """The answer template filled with any fields and value (also ones of no instance)."""
+        before, after = self.answer.split("{v}")
+        return f"{before.format(**dict(fields)).rstrip()} {value}{after.format(**dict(fields))}"
 
 
 def _article(noun: str) -> str:
     return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
+def _word_fields(word: str, article: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The template fields of a subject word: x, a_x ("an ostrich"), A_x ("An ostrich"); ``article`` ("a" or
+    "an") overrides the right one."""
+    a_x = f"{article} {word}" if article else _article(word)
+    return (("x", word), ("a_x", a_x), ("A_x", a_x[0].upper() + a_x[1:]))
+
+
 def _table(table: dict[str, str], answer_space: list[str], restate_key: bool = False) -> tuple:
     out = []
     for key, value in table.items():
-        a_x = _article(key)
-        fields = (("x", key), ("a_x", a_x), ("A_x", a_x[0].upper() + a_x[1:]))
+        fields = _word_fields(key)
         restated = (key,) if restate_key else ()
         wrong = tuple(v for v in answer_space if v != value and v not in restated)
         out.append(Instance(key, fields, value, restated, wrong))
@@ -342,9 +372,11 @@ def gold_accuracy(prompts: list[str], responses: list[str]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- generation
+_ARITHMETIC = ("add", "subtract")
+
+
 def _rejected(kind: str, family: Family, inst: Instance, split: str, rng: random.Random) -> str:
-    if kind == "wrong":
-        return " " + family.sentence(inst, rng.choice(inst.wrong))
+    """A rejected answer of a kind other than "wrong" (see :func:`_wrong`)."""
     if kind == "truncated":  # cut at a word boundary before the value: no final value, no full stop
         words = family.answer_parts(inst)[0].split(" ")
         return " " + " ".join(words[: rng.randint(max(1, len(words) // 2), len(words))])
@@ -355,6 +387,145 @@ def _rejected(kind: str, family: Family, inst: Instance, split: str, rng: random
         other_inst, _ = rng.choice(_pool(split, other.name))
         return " " + other.sentence(other_inst)
     raise ValueError(f"unknown rejected kind {kind!r}")
+
+
+def _subjects(family: Family) -> tuple[str, ...]:
+    """The subject words of a family's questions: "France", ...; arithmetic: its operands "1", "2", ..."""
+    if family.name in _ARITHMETIC:
+        return tuple(sorted({v for inst in family.instances for _, v in inst.fields}, key=int))
+    return tuple(dict(inst.fields)["x"] for inst in family.instances)
+
+
+def _space(family: Family) -> frozenset[str]:
+    """A family's answer space, lower-cased: expected values, wrong values and vocabulary."""
+    values = {v for inst in family.instances for v in (inst.value, *inst.wrong)} | set(family.vocab)
+    return frozenset(v.lower() for v in values)
+
+
+@cache
+def _foreign_subjects(family_name: str) -> tuple[tuple[str, ...], ...]:
+    """Per other family, its subjects that are no subject of ``family_name`` (case-insensitively), for
+    "The month after Tuesday is December." or "The first letter of 3 is E.". Arithmetic takes words only; empty
+    lists are left out (upper and letter ask about the same words)."""
+    family = FAMILIES[family_name]
+    own = {w.lower() for w in _subjects(family)}
+    out = []
+    for other in _FAMILY_LIST:
+        if other is family or (family.name in _ARITHMETIC and other.name in _ARITHMETIC):
+            continue
+        words = tuple(w for w in _subjects(other) if w.lower() not in own)
+        if words:
+            out.append(words)
+    return tuple(out)
+
+
+@cache
+def _foreign_values(family_name: str) -> tuple[tuple[str, ...], ...]:
+    """Per other family, its expected values outside ``family_name``'s answer space (case-insensitively); for
+    a number family, words only ("7 + 6 = buses.", "An ostrich has Paris legs.")."""
+    family = FAMILIES[family_name]
+    own = _space(family)
+    out = []
+    for other in _FAMILY_LIST:
+        if other is family:
+            continue
+        values = sorted({inst.value for inst in other.instances})
+        values = [
+            v
+            for v in values
+            if v.lower() not in own and not (family.kind == "number" and v.isdigit())
+        ]
+        if values:
+            out.append(tuple(values))
+    return tuple(out)
+
+
+@cache
+def _instances(split: str, family_name: str) -> tuple[Instance, ...]:
+    """The instances of a family that ``split`` asks about, each once, in instance order."""
+    return tuple(dict.fromkeys(inst for inst, _ in _pool(split, family_name)))
+
+
+@cache
+def _true_sentences() -> frozenset[str]:
+    """Every correct answer sentence of the toy world, normalised case-insensitively."""
+    return frozenset(
+        _normalise(f.sentence(i), keep_case=False) for f in _FAMILY_LIST for i in f.instances
+    )
+
+
+def _other_instance(
+    family: Family, inst: Instance, split: str, rng: random.Random, avoid_value: str | None = None
+) -> Instance:
+    """Another instance of ``family`` that ``split`` asks about (so no held-out operands leak into train rows),
+    with another value than ``avoid_value``. Arithmetic: half the time one that keeps an operand in its place
+    ("9 + 8" for "6 + 8") if there is one."""
+    others = [
+        i for i in _instances(split, family.name) if i.key != inst.key and i.value != avoid_value
+    ]
+    if family.name in _ARITHMETIC and rng.random() < 0.5:
+        others = [i for i in others if set(i.fields) & set(inst.fields)] or others
+    return rng.choice(others)
+
+
+def _subject_fields(
+    family: Family, inst: Instance, other: Instance, rng: random.Random
+) -> tuple[tuple[str, str], ...]:
+    """``other``'s subject fields; in templates with an article, half the time with ``inst``'s article, as a
+    policy that only swaps the noun writes it ("An snake has 2 legs." for an ostrich)."""
+    if "_x}" in family.answer and rng.random() < 0.5:
+        article = dict(inst.fields)["a_x"].split(" ")[0]
+        return _word_fields(dict(other.fields)["x"], article)
+    return other.fields
+
+
+def _other_family(family: Family, inst: Instance, rng: random.Random) -> str:
+    """Half the time this template with a subject of another family (arithmetic: one operand replaced by a
+    word), the value right or wrong; half the time this subject in another family's template (arithmetic: the
+    other operation), the value this question's or one of that family."""
+    if rng.random() < 0.5:
+        word = rng.choice(rng.choice(_foreign_subjects(family.name)))
+        value = inst.value if rng.random() < 0.5 else rng.choice(inst.wrong)
+        if family.name in _ARITHMETIC:  # "6 + Tuesday = 14."
+            fields = dict(inst.fields) | {rng.choice("ab"): word}
+            return family.render(tuple(fields.items()), value)
+        return family.render(_word_fields(word), value)  # "The month after Tuesday is December."
+    if family.name in _ARITHMETIC:  # "6 - 8 = 14." for 6 + 8
+        other = FAMILIES["subtract" if family.name == "add" else "add"]
+        return other.render(inst.fields, inst.value)
+    other = rng.choice([f for f in _FAMILY_LIST if f is not family and f.name not in _ARITHMETIC])
+    value = inst.value if rng.random() < 0.5 else rng.choice(other.instances).value
+    return other.render(
+        _word_fields(dict(inst.fields)["x"]), value
+    )  # "In capital letters, egg is MILK."
+
+
+def _wrong(wrong_kind: str, family: Family, inst: Instance, split: str, rng: random.Random) -> str:
+    """A wrong answer of sub-variant ``wrong_kind`` (see :data:`WRONG_KINDS`), with its leading space. It may
+    by chance pass the gold check or state a true fact; :func:`_failing_rejected` draws again then."""
+    if wrong_kind == "value":
+        return " " + family.sentence(inst, rng.choice(inst.wrong))
+    if wrong_kind == "subject":
+        other = _other_instance(family, inst, split, rng, avoid_value=inst.value)
+        return " " + family.render(_subject_fields(family, inst, other, rng), inst.value)
+    if wrong_kind == "subject_value":
+        other = _other_instance(family, inst, split, rng)
+        value = rng.choice([w for w in inst.wrong if w != other.value])
+        return " " + family.render(_subject_fields(family, inst, other, rng), value)
+    if wrong_kind == "other_family":
+        return " " + _other_family(family, inst, rng)
+    if wrong_kind == "repeat_drop":  # one word repeated, or one word other than the value dropped
+        words = family.sentence(inst).removesuffix(".").split(" ")
+        value_at = len(family.answer_parts(inst)[0].split(" "))
+        if rng.random() < 0.5:
+            i = rng.randrange(len(words))
+            words.insert(i, words[i])
+        else:
+            del words[rng.choice([i for i in range(len(words)) if i != value_at])]
+        return " " + " ".join(words) + "."
+    if wrong_kind == "foreign_value":
+        return " " + family.sentence(inst, rng.choice(rng.choice(_foreign_values(family.name))))
+    raise ValueError(f"unknown wrong kind {wrong_kind!r}")
 
 
 @cache
@@ -390,15 +561,25 @@ def _states_answer(family: Family, inst: Instance, text: str) -> bool:
 
 def _failing_rejected(
     kind: str, family: Family, inst: Instance, prompt: str, split: str, rng: random.Random
-) -> str:
-    """A rejected answer of ``kind`` that fails the gold check and does not even state the expected value (an
-    off-topic answer can: "A dog has 4 legs." for "What is 1 + 3?"); other kinds fail by construction, the
-    loop only guards it."""
+) -> tuple[str, str]:
+    """A rejected answer of ``kind`` and its wrong kind ("" unless ``kind`` is "wrong"); it fails the gold check.
+
+    A wrong answer is moreover never a correct sentence of any toy question ("A lemon is yellow." for a
+    banana, "9 + 5 = 14." for 6 + 8), so no true fact is taught as bad; its sub-variant is drawn once, before
+    the loop, so the proportions hold. The other kinds do not even state the expected value (an off-topic
+    "A dog has 4 legs." for "What is 1 + 3?" does). Most answers fail by construction; the loop guards the rest.
+    """
+    wrong_kind = rng.choices(WRONG_KINDS, weights=_WRONG_WEIGHTS)[0] if kind == "wrong" else ""
     for _ in range(100):
-        answer = _rejected(kind, family, inst, split, rng)
-        if not gold_check(prompt, answer) and not _states_answer(family, inst, answer):
-            return answer
-    raise RuntimeError(f"no failing {kind} answer for {prompt!r}")
+        if kind == "wrong":
+            answer = _wrong(wrong_kind, family, inst, split, rng)
+            clear = _normalise(answer, keep_case=False) not in _true_sentences()
+        else:
+            answer = _rejected(kind, family, inst, split, rng)
+            clear = not _states_answer(family, inst, answer)
+        if clear and not gold_check(prompt, answer):
+            return answer, wrong_kind
+    raise RuntimeError(f"no failing {kind} {wrong_kind} answer for {prompt!r}")
 
 
 def _row(split: str, rng: random.Random, num_ranked: int) -> dict:
@@ -407,14 +588,18 @@ def _row(split: str, rng: random.Random, num_ranked: int) -> dict:
     prompt = toy_prompt(family.question(inst, paraphrase))
     chosen = " " + family.sentence(inst)
     kind = rng.choices(REJECTED_KINDS, weights=_REJECTED_WEIGHTS)[0]
-    rejected = _failing_rejected(kind, family, inst, prompt, split, rng)
+    rejected, wrong_kind = _failing_rejected(kind, family, inst, prompt, split, rng)
     row = {"prompt": prompt, "response": chosen, "chosen": chosen, "rejected": rejected,
-           "task": family.name, "rejected_kind": kind}  # fmt: skip
+           "task": family.name, "rejected_kind": kind, "wrong_kind": wrong_kind}  # fmt: skip
     # Drawn always, so that asking for the column changes no other column of any row.
     child_seed = rng.getrandbits(64)
     if num_ranked:
         child = random.Random(child_seed)
-        worse = [_failing_rejected(k, family, inst, prompt, split, child) for k in REJECTED_KINDS]
+        # The rejected answer takes the place of its kind; the others are drawn (a wrong one of any sub-variant).
+        worse = [
+            rejected if k == kind else _failing_rejected(k, family, inst, prompt, split, child)[0]
+            for k in REJECTED_KINDS
+        ]
         row["responses"] = [chosen, *worse][:num_ranked]
     return row
 
@@ -424,8 +609,9 @@ def generate_toy_rows(
 ) -> list[dict]:
     """``num_rows`` toy rows of ``split`` ("train" or "test"), a pure function of the arguments.
 
-    Columns: prompt, response (== chosen), chosen, rejected, task, rejected_kind; with ``num_ranked`` = K > 0
-    also ``responses``: K answers best to worst (chosen, wrong, off_topic, truncated, rude), K <= 5.
+    Columns: prompt, response (== chosen), chosen, rejected, task, rejected_kind, wrong_kind ("" unless
+    rejected_kind is "wrong"); with ``num_ranked`` = K > 0 also ``responses``: K answers best to worst (chosen,
+    wrong, off_topic, truncated, rude), K <= 5, where the answer of ``rejected``'s kind is ``rejected``.
     Rows are drawn from one stream per (seed, split): the first n rows of a longer request are the same rows.
     """
     if split not in ("train", "test"):

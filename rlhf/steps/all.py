@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from rlhf.config import Config, to_config
 from rlhf.engine import is_main
 from rlhf.steps.common import RunInfo
+from rlhf.tracking import plain
 
 log = logging.getLogger(__name__)
 
@@ -76,5 +77,6 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
         info.run_dir.mkdir(parents=True, exist_ok=True)
-        (info.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        flat = {key: plain(value) for key, value in summary.items()}
+        (info.run_dir / "summary.json").write_text(json.dumps(flat, indent=2, sort_keys=True))
     return summary

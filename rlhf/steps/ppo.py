@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-from rlhf import algos
+from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.data.batching import EpochPlan, eval_shards, right_pad, token_loss_scale
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
@@ -46,11 +47,17 @@ from rlhf.models import (
     load_value_model,
 )
 from rlhf.steps.common import (
+    NonFiniteGuard,
     RunInfo,
+    StopRequest,
     Throughput,
+    TrainingStopped,
     TrainState,
     all_reduce_sum,
     checkable_rows,
+    checkpoint_due,
+    eval_due,
+    inject_faults,
     max_over_ranks,
     model_device,
     rows_at,
@@ -123,14 +130,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. the four models
     models = build_models(cfg, tokenizer, dtype, updates)
+    models.actor.train()  # updates in train mode (PPO's default dropout is 0: see conf/step/ppo.yaml)
+    models.critic.train()
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl_controller = (
         algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         if ppo.adaptive_kl
         else algos.FixedKLController(ppo.kl_coef)
     )
-    sampling = Sampling(max_new_tokens(cfg), ppo.greedy, ppo.temperature, ppo.top_p, ppo.top_k)
-    synced = cfg.actor.zero.stage == 3 and world_size() > 1
+    sampling = Sampling(
+        max_new_tokens(cfg), ppo.greedy, ppo.temperature, ppo.top_p, ppo.top_k, ppo.stop_at_eos
+    )
     log.info(
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
         "critic ZeRO-%d, %d rank(s)",
@@ -143,11 +153,30 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         world_size(),
     )
 
-    tracker = Tracker(
-        info.run_dir, cfg.logger, "ppo", info.run_name, info.config, info.group, enabled=rank() == 0
-    )
-    evaluate = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
+    # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first
     state = TrainState()
+    engines = {"actor": models.actor, "critic": models.critic}
+    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    trainer = checkpoint.load(resume_from, engines) if resume_from else None
+    evaluate = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
+    if trainer is not None:
+        state = TrainState(**trainer["state"])
+        kl_controller.load_state_dict(trainer["kl_controller"])
+        evaluate.first, evaluate.warnings = trainer["evaluator"]
+        if ptx is not None:
+            ptx.position = trainer["ptx_position"]
+        if ema is not None:
+            ema.load_state_dict(trainer.get("ema"))
+    tracker = Tracker(
+        info.run_dir,
+        cfg.logger,
+        "ppo",
+        info.run_name,
+        info.config,
+        info.group,
+        enabled=rank() == 0,
+        resume=trainer and trainer["tracker"],
+    )
 
     def log_eval() -> dict[str, float]:
         metrics = evaluate(models)
@@ -160,75 +189,98 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
         return metrics
 
-    # 3. the SFT model, for the 'before' figures
-    if cfg.step.eval_at_start:
+    def save_checkpoint() -> None:
+        checkpoint.save(
+            info.run_dir,
+            state.global_step,
+            engines,
+            {
+                "state": asdict(state),
+                "kl_controller": kl_controller.state_dict(),
+                "evaluator": (evaluate.first, evaluate.warnings),
+                "ptx_position": ptx.position if ptx is not None else 0,
+                "ema": ema.state_dict() if ema is not None else None,
+                "tracker": tracker.state(state.global_step),
+            },
+            cfg.step.keep_checkpoints,
+        )
+
+    if trainer is None and cfg.step.eval_at_start:
         tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
 
     # 4. iterations: generate -> score -> advantages -> PPO epochs -> EMA, KL coefficient
     bar = tqdm(
-        total=total_iterations, desc="ppo", disable=rank() != 0 or not cfg.logger.progress_bar
+        total=total_iterations,
+        initial=state.global_step,
+        desc="ppo",
+        disable=rank() != 0 or not cfg.logger.progress_bar,
     )
     gen_speed, train_speed = Throughput(), Throughput()
-    while state.global_step < total_iterations:
-        iteration_started = time.perf_counter()
-        experiences = []
-        for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank()):
-            gen_speed.start()
-            rollout = generate(
-                models.actor.module,
-                [prompts[i]["prompt_ids"] for i in indices],
-                tokenizer.pad_token_id,
-                eot,
-                sampling,
-                synced_gpus=synced,
-            )
-            gen_speed.stop(int(rollout.response_mask.sum()), len(indices))
-            experiences.append(
-                make_experience(
-                    rollout,
-                    models.actor,
-                    models.reference,
-                    models.critic,
-                    models.reward,
-                    kl_coef=kl_controller.value,
-                    kl_estimator=ppo.kl_estimator,
-                    clip_reward_value=ppo.clip_reward_value,
-                    gamma=ppo.gamma,
-                    lam=ppo.lam,
-                    min_response_tokens=ppo.min_response_tokens,
-                    score_position=score_position,
-                    reward_stats=reward_stats,
-                    device=model_device(models.actor),
+    stop = StopRequest()
+    guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, models.actor, models.critic)
+    try:
+        while state.global_step < total_iterations:
+            iteration_started = time.perf_counter()
+            experiences = [
+                collect(
+                    models,
+                    [prompts[i]["prompt_ids"] for i in indices],
+                    cfg,
+                    tokenizer,
+                    eot,
+                    sampling,
+                    kl_controller.value,
+                    score_position,
+                    reward_stats,
+                    gen_speed,
                 )
-            )
-        if ppo.whiten_advantages:
-            experiences = whiten_advantages(experiences)
+                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+            ]
+            if ppo.whiten_advantages:
+                experiences = whiten_advantages(experiences)
 
-        train_speed.start()
-        update_stats = ppo_update(models, experiences, cfg, state, ptx)
-        train_speed.stop(update_stats.pop("tokens"), plan.global_batch_size)
-        rollout_stats = rollout_metrics(experiences)
-        if ema is not None:
-            ema.update(models.actor.module)
-        kl_controller.update(rollout_stats["ppo/kl"], plan.global_batch_size)
-        state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
-        bar.update()
+            train_speed.start()
+            update_stats = ppo_update(models, experiences, cfg, state, ptx, guard)
+            train_speed.stop(update_stats.pop("tokens"), plan.global_batch_size)
+            rollout_stats = rollout_metrics(experiences)
+            if ema is not None:
+                ema.update(models.actor.module)
+            kl_controller.update(rollout_stats["ppo/kl"], plan.global_batch_size)
+            state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
+            bar.update()
 
-        metrics = {
-            **rollout_stats,
-            **update_stats,
-            "ppo/kl_coef": kl_controller.value,
-            "perf/s_per_iter": time.perf_counter() - iteration_started,
-            "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
-            **train_speed.metrics(),
-        }
-        if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_iterations:
-            tracker.log(metrics, step=state.global_step)
-            bar.set_postfix(reward=f"{metrics['ppo/reward']:.2f}", kl=f"{metrics['ppo/kl']:.2f}")
-        interval = cfg.step.eval_interval
-        if interval and state.global_step % interval == 0 and state.global_step < total_iterations:
-            log_eval()
-    bar.close()
+            if (
+                state.global_step % cfg.step.log_interval == 0
+                or state.global_step == total_iterations
+            ):
+                metrics = {
+                    **rollout_stats,
+                    **update_stats,
+                    "ppo/kl_coef": kl_controller.value,
+                    "ppo/skipped_updates": guard.skipped,
+                    "perf/s_per_iter": time.perf_counter() - iteration_started,
+                    "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
+                    **train_speed.metrics(),
+                }
+                tracker.log(metrics, step=state.global_step)
+                bar.set_postfix(
+                    reward=f"{metrics['ppo/reward']:.2f}", kl=f"{metrics['ppo/kl']:.2f}"
+                )
+            if eval_due(cfg.step.eval_interval, state, total_iterations):
+                log_eval()
+            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_iterations):
+                save_checkpoint()
+            if signum := stop.requested():
+                save_checkpoint()
+                raise TrainingStopped(
+                    f"stopped by signal {signum} at iteration {state.global_step}; a checkpoint "
+                    f"is in {info.run_dir}/checkpoints: run the same command to resume",
+                    exit_code=128 + signum,
+                )
+            inject_faults(cfg.debug, state.global_step)
+    finally:
+        stop.close()
+        bar.close()
 
     # 5. final evaluation, exports, summary
     final = log_eval()
@@ -248,6 +300,48 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     tracker.summary(summary)
     tracker.close()
     return summary
+
+
+def collect(
+    models: Models,
+    prompt_ids: list[list[int]],
+    cfg: Config,
+    tokenizer,
+    eot: int,
+    sampling: Sampling,
+    kl_coef: float,
+    score_position: str,
+    reward_stats,
+    speed: Throughput,
+) -> Experience:
+    """Generate answers for one batch of prompts and score them into an Experience."""
+    ppo = cfg.ppo
+    speed.start()
+    rollout = generate(
+        models.actor.module,
+        prompt_ids,
+        tokenizer.pad_token_id,
+        eot,
+        sampling,
+        synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
+    )
+    speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
+    return make_experience(
+        rollout,
+        models.actor,
+        models.reference,
+        models.critic,
+        models.reward,
+        kl_coef=kl_coef,
+        kl_estimator=ppo.kl_estimator,
+        clip_reward_value=ppo.clip_reward_value,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        min_response_tokens=ppo.min_response_tokens,
+        score_position=score_position,
+        reward_stats=reward_stats,
+        device=model_device(models.actor),
+    )
 
 
 def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
@@ -313,7 +407,12 @@ def _steps_per_rollout(ppo) -> int:
 
 
 def ppo_update(
-    models: Models, experiences: list[Experience], cfg: Config, state: TrainState, ptx
+    models: Models,
+    experiences: list[Experience],
+    cfg: Config,
+    state: TrainState,
+    ptx,
+    guard: NonFiniteGuard,
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over this iteration's rollout in shuffled micro batches; each
     optimizer step is normalised by the response tokens of the whole global step. Stops early
@@ -331,8 +430,9 @@ def ppo_update(
                 rollout.rows(rows.to(rollout.scores.device))
                 for rows in step_rows.split(ppo.per_device_training_batch_size)
             ]
-            for key, value in train_step(models, micro, cfg, ptx).items():
+            for key, value in train_step(models, micro, cfg, ptx, guard).items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
+            guard.end_step(state.global_step + 1)
         epochs_run += 1
         for key, value in epoch_totals.items():
             totals[key] = totals.get(key, 0.0) + value
@@ -360,7 +460,9 @@ def ppo_update(
     }
 
 
-def train_step(models: Models, micro: list[Experience], cfg: Config, ptx) -> dict[str, float]:
+def train_step(
+    models: Models, micro: list[Experience], cfg: Config, ptx, guard: NonFiniteGuard
+) -> dict[str, float]:
     """One optimizer step of the actor and one of the critic over this rank's micro batches."""
     ppo = cfg.ppo
     local_targets = sum(float(e.response_mask.sum()) for e in micro)
@@ -407,14 +509,16 @@ def train_step(models: Models, micro: list[Experience], cfg: Config, ptx) -> dic
             # the mean PTX loss of the global step
             loss = loss + ppo.unsup_coef * unsup * ppo.grad_accum / len(micro)
             out["unsup_loss"] += unsup.item()
-        models.actor.backward(loss)
-        models.actor.step()
+        if guard.finite(loss):
+            models.actor.backward(loss)
+        models.actor.step()  # every micro batch: DeepSpeed's accumulation boundaries stay aligned
         # critic: clipped value loss
         values = response_values(models.critic, exp.sequences, exp.attention_mask, start)
         critic_loss, vstats = algos.value_loss(
             values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.clip_range_value
         )
-        models.critic.backward(critic_loss * n * scale)
+        if guard.finite(critic_loss):
+            models.critic.backward(critic_loss * n * scale)
         models.critic.step()
 
         out["actor_loss_sum"] += actor_loss.item() * n

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import EpochPlan, eval_shards, pair_batch, ranked_batch
+from rlhf.data.batching import EpochPlan, eval_shards, pair_batch, ranked_batch, row_lengths
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
 from rlhf.data.toy import gold_check
 from rlhf.engine import (
@@ -82,8 +82,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
         )
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
+    answers = ("chosen_ids", "rejected_ids")
+    if cfg.reward.loss == "listwise":
+        answers = ("responses_ids",)
+    lengths = row_lengths(train_rows, answers) if cfg.data.group_by_length else None
     plan = EpochPlan(
-        len(train_rows), shape.micro_batch_size, shape.world_size, shape.grad_accum, cfg.data.seed
+        len(train_rows),
+        shape.micro_batch_size,
+        shape.world_size,
+        shape.grad_accum,
+        cfg.data.seed,
+        lengths,
     )
     if plan.steps_per_epoch == 0:
         raise ConfigError(
@@ -102,6 +111,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     hf_config = model.hf.config
     model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])
     engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
     log.info(
         "reward: %d train / %d eval pairs, %d steps of %d pairs, loss %s, ZeRO-%d on %d rank(s)",
         len(train_rows),
@@ -293,7 +303,8 @@ def train_step(
     loss_sum = correct = pairs = tokens = 0.0
     for rows in micro_rows:
         listwise = cfg.reward.loss == "listwise"
-        batch = ranked_batch(rows, pad_id) if listwise else pair_batch(rows, pad_id)
+        pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
+        batch = ranked_batch(rows, pad_id, pad_to) if listwise else pair_batch(rows, pad_id, pad_to)
         scores, loss = scores_and_loss(engine, batch, cfg)
         if guard.finite(loss):
             engine.backward(loss)

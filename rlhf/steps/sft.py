@@ -24,6 +24,7 @@ from rlhf.data.batching import (
     EpochPlan,
     count_targets,
     eval_shards,
+    row_lengths,
     sft_batch,
     token_loss_scale,
 )
@@ -81,9 +82,16 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
     eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
+    lengths = row_lengths(train_rows) if cfg.data.group_by_length else None
     plan = EpochPlan(
-        len(train_rows), shape.micro_batch_size, shape.world_size, shape.grad_accum, cfg.data.seed
+        len(train_rows),
+        shape.micro_batch_size,
+        shape.world_size,
+        shape.grad_accum,
+        cfg.data.seed,
+        lengths,
     )
+    pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
     if plan.steps_per_epoch == 0:
         raise ConfigError(
             f"data: the SFT phase has {len(train_rows)} training rows, fewer than one global "
@@ -99,6 +107,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     lm_config = lm.config
     lm = apply_lora(lm, cfg.lora)
     engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
     log.info(
         "SFT: %d train / %d eval rows, %d steps of %d rows, ZeRO-%d on %d rank(s)",
         len(train_rows),
@@ -164,7 +173,10 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         while state.global_step < total_steps:
             micro_batches = [
                 sft_batch(
-                    rows_at(train_rows, indices), tokenizer.pad_token_id, cfg.sft.loss_on_prompt
+                    rows_at(train_rows, indices),
+                    tokenizer.pad_token_id,
+                    cfg.sft.loss_on_prompt,
+                    pad_to,
                 )
                 for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
             ]

@@ -1,0 +1,192 @@
+"""``hydra/launcher=rlhf``: every job of a multirun in its own process group, one after another.
+
+The default launcher of ``python -m rlhf -m ...`` (conf/config.yaml). Each job runs
+``python -m rlhf <its overrides> hydra.run.dir=<sweep dir>/<override_dirname>`` (under
+``torch.distributed.run`` with ``hydra.launcher.nproc_per_node=N`` > 1), output in ``job.log``.
+A job that fails is marked FAILED and the sweep goes on; Hydra's sweeper reports the failures
+(exit status 1) once every job has run. ``summary.md`` / ``summary.csv`` in the sweep dir are
+rewritten after each job and the table is printed at the end.
+
+Hydra finds this module by scanning the ``hydra_plugins`` namespace package; the mechanics live
+in :mod:`rlhf.launcher`. No ``from __future__ import annotations`` here: Hydra's scanner executes
+the module before it is in sys.modules, and dataclasses then cannot resolve string annotations.
+"""
+
+import copy
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from rlhf import launcher as mechanics
+from rlhf import sweep_summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RlhfLauncherConf:
+    _target_: str = "hydra_plugins.rlhf_launcher.rlhf_launcher.RlhfLauncher"
+    nproc_per_node: int = 1  # ranks per job; > 1 runs each job under torch.distributed.run
+    timeout_s: float | None = None  # stop a job after this long (it is marked FAILED); null: never
+    python: str | None = None  # the jobs' interpreter; null: the one running the sweep
+
+
+ConfigStore.instance().store(
+    group="hydra/launcher", name="rlhf", node=RlhfLauncherConf, provider="rlhf"
+)
+
+
+class RlhfLauncher(Launcher):
+    def __init__(
+        self, nproc_per_node: int = 1, timeout_s: float | None = None, python: str | None = None
+    ) -> None:
+        if nproc_per_node < 1:
+            raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node}: expected >= 1")
+        self.nproc_per_node = nproc_per_node
+        self.timeout_s = timeout_s
+        self.python = python
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.jobs: list[tuple[int, Path]] = []  # every job launched so far, over all batches
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config = config
+        self.hydra_context = hydra_context  # the task function runs in the job's process
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        assert self.config is not None and self.hydra_context is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info(
+            f"Launching {len(job_overrides)} job(s) in {sweep_dir}, one process group each, "
+            f"{self.nproc_per_node} rank(s) per job"
+        )
+        returns, failures = [], []
+        try:
+            for offset, overrides in enumerate(job_overrides):
+                ret, err = self._launch_one(initial_job_idx + offset, list(overrides))
+                returns.append(ret)
+                failures += [err] if err else []
+                self._write_summary(sweep_dir)
+        finally:  # interrupted too: the table of the jobs that ran
+            print(self._write_summary(sweep_dir), flush=True)
+        log.info(f"Sweep summary: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}")
+        for err in failures:  # Hydra's sweeper raises the first one once all jobs have run
+            err.args = (
+                f"{err.args[0]}\n{len(failures)} of {len(returns)} job(s) failed; "
+                f"the sweep's table: {sweep_dir / 'summary.md'}",
+            )
+        return returns
+
+    def _launch_one(
+        self, idx: int, overrides: list[str]
+    ) -> tuple[JobReturn, mechanics.JobFailed | None]:
+        assert self.config is not None
+        shown = " ".join(filter_overrides(overrides))
+        sweep_config = self._sweep_config(idx, overrides)
+        job_dir = self._job_dir(sweep_config, overrides)
+        log.info(f"\t#{idx} : {shown}  (log: {job_dir / sweep_summary.LOG_FILE})")
+        args = [
+            *mechanics.config_args(
+                OmegaConf.to_container(self.config.hydra.runtime.config_sources),
+                self.config.hydra.job.config_name,
+            ),
+            *overrides,
+            *self._logger_group(sweep_config, overrides),
+            *mechanics.job_hydra_overrides(list(self.config.hydra.overrides.hydra)),
+        ]
+        cmd = mechanics.job_command(args, job_dir, self.nproc_per_node, self.python)
+        record = {"index": idx, "overrides": overrides, "nproc_per_node": self.nproc_per_node}
+        self.jobs.append((idx, job_dir))
+        result = mechanics.run_job_process(cmd, job_dir, record, self.timeout_s)
+        status = "COMPLETED" if result.ok else f"FAILED (exit status {result.returncode})"
+        log.info(f"\t#{idx} : {status} in {result.wall_s:.1f} s")
+        return self._job_return(idx, overrides, sweep_config, job_dir, result)
+
+    def _sweep_config(self, idx: int, overrides: list[str]) -> DictConfig | None:
+        """The job's composed config, or None when it does not compose (the job then runs and
+        fails with Hydra's own message in its log)."""
+        assert self.config is not None and self.hydra_context is not None
+        try:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        except Exception as err:
+            log.warning(f"\t#{idx} : does not compose: {err}")
+            return None
+        with open_dict(cfg):
+            cfg.hydra.job.id = idx
+            cfg.hydra.job.num = idx
+        return cfg
+
+    def _job_dir(self, sweep_config: DictConfig | None, overrides: list[str]) -> Path:
+        """``${hydra.sweep.dir}/${hydra.sweep.subdir}``, resolved as Hydra's run_job does, with
+        ``hydra.job.override_dirname`` made a valid directory name (see safe_dirname)."""
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        if sweep_config is None:
+            return sweep_dir / mechanics.safe_dirname(",".join(sorted(overrides)))
+        job = sweep_config.hydra.job
+        with read_write(job):
+            job.override_dirname = mechanics.safe_dirname(job.override_dirname)
+        previous = HydraConfig.instance().cfg
+        HydraConfig.instance().set_config(sweep_config)
+        try:
+            subdir = str(OmegaConf.select(sweep_config, "hydra.sweep.subdir"))
+        finally:
+            HydraConfig.instance().cfg = previous
+        with read_write(sweep_config.hydra.runtime), open_dict(sweep_config.hydra.runtime):
+            sweep_config.hydra.runtime.output_dir = str(sweep_dir / subdir)
+        return sweep_dir / subdir
+
+    def _logger_group(self, sweep_config: DictConfig | None, overrides: list[str]) -> list[str]:
+        """W&B groups a sweep's runs under the sweep's name, as an in-process multirun does."""
+        if sweep_config is None or OmegaConf.select(sweep_config, "logger.group") is not None:
+            return []
+        if "logger" not in sweep_config or any(o.startswith("logger.group=") for o in overrides):
+            return []
+        return [f"logger.group={Path(str(self.config.hydra.sweep.dir)).name}"]
+
+    def _job_return(
+        self,
+        idx: int,
+        overrides: list[str],
+        sweep_config: DictConfig | None,
+        job_dir: Path,
+        result: mechanics.JobResult,
+    ) -> tuple[JobReturn, mechanics.JobFailed | None]:
+        ret = JobReturn(overrides=overrides, working_dir=os.getcwd())
+        if sweep_config is not None:
+            ret.hydra_cfg = OmegaConf.masked_copy(sweep_config, "hydra")
+            ret.cfg = copy.deepcopy(sweep_config)
+            with open_dict(ret.cfg):
+                del ret.cfg["hydra"]
+            ret.task_name = sweep_config.hydra.job.name
+        if result.ok:
+            ret.status = JobStatus.COMPLETED
+            ret.return_value = mechanics.read_return_value(job_dir)
+            return ret, None
+        why = f" ({result.note})" if result.note else ""
+        err = mechanics.JobFailed(
+            f"sweep job #{idx} exited with status {result.returncode}{why}; "
+            f"its log: {job_dir / sweep_summary.LOG_FILE}"
+        )
+        ret.status, ret.return_value = JobStatus.FAILED, err
+        return ret, err
+
+    def _write_summary(self, sweep_dir: Path) -> str:
+        records = [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
+        return sweep_summary.write_summary(records, sweep_dir, first="job")

@@ -1,0 +1,273 @@
+"""The sweep launcher's mechanics (the Hydra plugin in ``hydra_plugins/rlhf_launcher`` is a shim).
+
+Each job of a multirun runs as ``python -m rlhf <its overrides> hydra.run.dir=<job dir>``, or under
+``torch.distributed.run`` when ``hydra.launcher.nproc_per_node`` > 1, in a new session (process
+group) with its output in ``<job dir>/job.log``. So memory is returned between jobs, a job can use
+several ranks, and a crash, an out-of-memory kill or a refused config fails that job only.
+``<job dir>/job.json`` records the job (overrides, command, status, exit code, wall time); the
+sweep summary reads it.
+
+Also here: :class:`SlurmRanks`, the callback that ``hydra/launcher=slurm`` (Hydra's submitit
+launcher) adds, so the SLURM tasks of one job become the ranks of one process group.
+Hydra imports this module while scanning plugins: nothing heavy at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
+
+from rlhf.sweep_summary import JOB_FILE, LOG_FILE
+
+log = logging.getLogger(__name__)
+
+# Hydra overrides that belong to the sweep, not to a job: the job runs in RUN mode, in its dir.
+_SWEEP_ONLY = (
+    "hydra.mode",
+    "hydra.sweep",
+    "hydra.sweeper",
+    "hydra/sweeper",
+    "hydra.launcher",
+    "hydra/launcher",
+    "hydra.run.dir",
+    "hydra.job.id",
+    "hydra.job.num",
+)
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    wall_s: float
+    note: str = ""  # why it failed, when the exit status alone does not say
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def config_args(runtime_sources: list[dict[str, str]], config_name: str | None) -> list[str]:
+    """The job composes from the same primary config and config dirs as the sweep (``-cp``,
+    ``-cd``, ``-cn``), so ``python -m rlhf -cd sweeps -cn step1`` jobs see step1.yaml."""
+    args = []
+    for source in runtime_sources:
+        if source["schema"] != "file":
+            continue
+        if source["provider"] == "main":
+            args.append(f"--config-path={source['path']}")
+        elif source["provider"] == "command-line":
+            args.append(f"--config-dir={source['path']}")
+    if config_name:
+        args.append(f"--config-name={config_name}")
+    return args
+
+
+def job_hydra_overrides(hydra_overrides: list[str]) -> list[str]:
+    """The sweep's ``hydra.*`` command-line overrides that a job keeps (env_set, verbose,
+    searchpath, ...): not those about the sweep itself."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    kept = []
+    for text in hydra_overrides:
+        key = parser.parse_override(text).key_or_group
+        if not any(key == k or key.startswith(k + ".") for k in _SWEEP_ONLY):
+            kept.append(text)
+    return kept
+
+
+def safe_dirname(override_dirname: str, max_bytes: int = 240) -> str:
+    """``hydra.job.override_dirname`` as one valid directory name: a ``/`` inside a value
+    (``model.path=/ckpt/sft``) becomes ``_``, and a name past the file system's limit is cut and
+    given a hash of the whole, so distinct jobs keep distinct dirs."""
+    name = override_dirname.replace(os.sep, "_")
+    if len(name.encode()) <= max_bytes:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name.encode()[: max_bytes - 11].decode(errors="ignore") + "-" + digest
+
+
+def job_command(
+    args: list[str], job_dir: Path, nproc_per_node: int = 1, python: str | None = None
+) -> list[str]:
+    """``python -m rlhf ARGS hydra.mode=RUN hydra.run.dir=JOB_DIR``, under torchrun for N > 1.
+    ``hydra.mode=RUN``: a sweep file sets MULTIRUN, which would make each job a sweep again."""
+    python = python or sys.executable
+    if nproc_per_node > 1:
+        head = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
+        head += ["--master_port", str(free_port()), "-m", "rlhf"]
+    else:
+        head = [python, "-m", "rlhf"]
+    return [*head, *args, "hydra.mode=RUN", f"hydra.run.dir={quote(str(job_dir))}"]
+
+
+def quote(value: str) -> str:
+    """A string as a quoted Hydra override value: a job dir holds ``=`` and ``,``."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def run_job_process(
+    cmd: list[str], job_dir: Path, record: dict[str, Any], timeout_s: float | None = None
+) -> JobResult:
+    """Run one job in its own session, output to ``job.log``; keep ``job.json`` up to date.
+    Whatever the job leaves running in its process group is killed when it ends."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    record = {**record, "command": cmd, "status": "RUNNING", "started": _now()}
+    _write_record(job_dir, record)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the sweep's environment: DS_ACCELERATOR...
+    started = time.perf_counter()
+    note = ""
+    with open(job_dir / LOG_FILE, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        record["pid"] = proc.pid  # also the id of its process group
+        _write_record(job_dir, record)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = _stop(proc)
+            note = f"timed out after {timeout_s:g} s"
+        except BaseException:  # Ctrl-C: stop the job, record it, stop the sweep
+            _stop(proc)
+            _write_record(job_dir, {**record, "status": "FAILED", "note": "interrupted"})
+            raise
+        finally:
+            _kill_group(proc.pid)
+    result = JobResult(returncode, time.perf_counter() - started, note or _exit_note(returncode))
+    status = "COMPLETED" if result.ok else "FAILED"
+    record.update(status=status, returncode=returncode, wall_s=result.wall_s, note=result.note)
+    _write_record(job_dir, record)
+    return result
+
+
+def read_return_value(job_dir: Path) -> Any:
+    """What ``python -m rlhf`` returns to Hydra in-process: the final eval/loss, if any."""
+    try:
+        return json.loads((job_dir / "summary.json").read_text()).get("eval/loss")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job that exited non-zero; raised by Hydra's sweeper after all jobs ran (compact:
+    Hydra prints the message, not a traceback)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """SIGTERM the job's process group, SIGKILL it if it is still there after ``grace_s``."""
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+        os.killpg(pgid, sig)
+
+
+def _exit_note(returncode: int) -> str:
+    if returncode >= 0:
+        return ""
+    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else "?"
+    hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
+
+
+def _write_record(job_dir: Path, record: dict[str, Any]) -> None:
+    tmp = job_dir / (JOB_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, job_dir / JOB_FILE)
+
+
+def _now() -> str:
+    return datetime.now().isoformat(timespec="seconds")
+
+
+# --- SLURM (hydra/launcher=slurm) --------------------------------------------------------------
+
+
+def torch_env_from_slurm(environ: dict[str, str], master_addr: str) -> dict[str, str]:
+    """torch.distributed's variables for one SLURM task: one task per rank (``tasks_per_node``
+    = GPUs per node). Empty outside SLURM, for a single task, or when a launcher set them."""
+    if "SLURM_PROCID" not in environ or "RANK" in environ:
+        return {}
+    world = int(environ.get("SLURM_NTASKS", "1"))
+    if world <= 1:
+        return {}
+    job_id = int(environ.get("SLURM_ARRAY_JOB_ID", environ.get("SLURM_JOB_ID", "0")))
+    task = int(environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    return {
+        "RANK": environ["SLURM_PROCID"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(20000 + (job_id + task) % 20000),  # the same on every task of a job
+    }
+
+
+def _run_time_resolver() -> None:
+    """``${rlhf_now:...}`` outside ``python -m rlhf`` (a SLURM task unpickles the sweep and
+    resolves its dirs): the sweep's clock, passed in RLHF_RUN_TIME."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("rlhf_now"):
+        stamp = os.environ.get("RLHF_RUN_TIME")
+        start = datetime.fromisoformat(stamp) if stamp else datetime.now()
+        OmegaConf.register_new_resolver("rlhf_now", start.strftime)
+
+
+class SlurmRanks(Callback):
+    """Hydra callback for the submitit launcher. On the submitting host: export the sweep's
+    clock so every SLURM task resolves the same sweep dir. In each task: register that clock's
+    resolver, and map SLURM's task ids to torch.distributed's RANK/WORLD_SIZE/MASTER_*."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.has_resolver("rlhf_now"):
+            now = OmegaConf.create({"t": "${rlhf_now:'%Y-%m-%dT%H:%M:%S.%f'}"}).t
+            os.environ.setdefault("RLHF_RUN_TIME", now)  # sbatch passes the environment on
+
+    def __reduce__(self) -> tuple:
+        return (_slurm_ranks_in_task, ())  # unpickled in a task: before it resolves the job dir
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            import submitit
+
+            master = submitit.JobEnvironment().hostnames[0]
+        except Exception:  # not under submitit: nothing to map
+            return
+        os.environ.update(torch_env_from_slurm(dict(os.environ), master))
+
+
+def _slurm_ranks_in_task() -> SlurmRanks:
+    _run_time_resolver()
+    return SlurmRanks()

@@ -1,0 +1,388 @@
+"""Sweeps: the sweep files compose and sweep keys that exist; the rlhf launcher (one process group
+per job, failures recorded and the sweep goes on, several ranks a job) and its summary table; the
+SLURM option composes. The end-to-end sweeps are slow."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf import launcher as mechanics
+from rlhf.config import register_configs, to_config
+from tests.conftest import CONF_DIR, FAST, REPO, SWEEPS_DIR, cache_overrides
+
+register_configs()
+
+NEW_SWEEPS = {"lr_lora": 12, "kl_epochs": 12, "seeds": 3}  # file -> number of jobs
+LAUNCHER = "hydra_plugins.rlhf_launcher.rlhf_launcher.RlhfLauncher"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose("config", list(overrides), return_hydra_config=hydra_config)
+
+
+def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
+    """As ``python -m rlhf -cd sweeps -cn NAME``."""
+    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
+        return hydra.compose(
+            name,
+            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
+            return_hydra_config=hydra_config,
+        )
+
+
+def swept(name: str) -> dict[str, list[str]]:
+    params = compose_sweep(name, hydra_config=True).hydra.sweeper.params
+    parser = OverridesParser.create()
+    return {
+        k: list(parser.parse_override(f"{k}={v}").sweep_string_iterator())
+        for k, v in params.items()
+    }
+
+
+# --- the sweep files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NEW_SWEEPS)
+def test_sweep_file_has_a_header_with_its_command_line(name):
+    lines = (SWEEPS_DIR / f"{name}.yaml").read_text().splitlines()
+    assert lines[0].startswith("# ")
+    assert any(f"python -m rlhf -cd sweeps -cn {name}" in ln for ln in lines if ln.startswith("#"))
+
+
+@pytest.mark.parametrize("name", NEW_SWEEPS)
+def test_sweep_file_composes_and_every_swept_value_reaches_the_config(name):
+    cfg = compose_sweep(name, hydra_config=True)
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    params = swept(name)
+    pairs = [f"{k}={','.join(v)}" for k, v in params.items()]
+    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(pairs), None)
+    assert len({tuple(sorted(job)) for job in jobs}) == NEW_SWEEPS[name]
+    base = compose_sweep(name)
+    parser = OverridesParser.create()
+    for key, values in params.items():
+        is_group = (CONF_DIR / key).is_dir()
+        if not is_group:  # a key the schema knows, not one the sweep adds
+            assert OmegaConf.select(base, key, default="<absent>") != "<absent>", key
+        for value in values:
+            job = compose_sweep(name, [f"{key}={value}"])
+            to_config(job)  # validates
+            if is_group:
+                hydra_cfg = compose_sweep(name, [f"{key}={value}"], hydra_config=True).hydra
+                assert hydra_cfg.runtime.choices[key] == value
+            else:
+                assert OmegaConf.select(job, key) == parser.parse_override(f"{key}={value}").value()
+
+
+def test_lr_lora_sweeps_the_lora_weights_learning_rate_too():
+    ranks = {}
+    for lora in ("none", "r8", "r128"):
+        c = to_config(compose_sweep("lr_lora", [f"lora={lora}", "optim.lr=3e-4"]))
+        assert c.step.name == "sft" and c.lora.learning_rate is None  # engine: lora lr = optim.lr
+        ranks[lora] = c.lora.rank
+    assert ranks == {"none": 0, "r8": 8, "r128": 128}
+
+
+def test_seeds_sweep_moves_the_tiny_models_initialisation():
+    inits = {to_config(compose_sweep("seeds", [f"seed={s}"])).model.init_seed for s in (1, 2, 3)}
+    assert inits == {1, 2, 3}
+    assert to_config(compose_sweep("seeds")).data.seed == to_config(compose()).data.seed
+
+
+def test_kl_epochs_runs_the_pipeline_or_ppo_on_given_exports(tmp_path):
+    assert to_config(compose_sweep("kl_epochs")).step.name == "all"
+    c = to_config(
+        compose_sweep(
+            "kl_epochs",
+            ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"],
+        )
+    )
+    assert (c.step.name, c.ppo.kl_coef) == ("ppo", 0.1)
+
+
+# --- the launcher: discovery and configuration -------------------------------------------------
+
+
+def test_launcher_plugin_is_discovered_and_the_default_for_multiruns():
+    names = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Launcher)}
+    assert LAUNCHER in names
+    launcher = compose(hydra_config=True).hydra.launcher
+    assert (launcher._target_, launcher.nproc_per_node, launcher.timeout_s) == (LAUNCHER, 1, None)
+    assert compose_sweep("step1", hydra_config=True).hydra.launcher._target_ == LAUNCHER
+    basic = compose(["hydra/launcher=basic"], hydra_config=True).hydra.launcher
+    assert basic._target_.endswith("BasicLauncher")
+
+
+def test_installed_package_exposes_the_plugin_outside_the_repo(tmp_path):
+    """Hydra scans the hydra_plugins namespace: the install, not the working directory."""
+    code = (
+        "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher;"
+        "print(sorted(c.__name__ for c in Plugins.instance().discover(Launcher)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "RlhfLauncher" in out.stdout
+
+
+def test_slurm_launcher_config_composes():
+    cfg = compose(["hydra/launcher=slurm", "step=sft"], hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == (
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    )
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8  # one rank per GPU
+    raw = OmegaConf.to_container(launcher)  # unresolved: ${rlhf_now:...} is main()'s resolver
+    assert raw["submitit_folder"].startswith("${hydra.sweep.dir}/")
+    assert isinstance(instantiate(cfg.hydra.callbacks.slurm_ranks), mechanics.SlurmRanks)
+    sweep = compose_sweep("step1", ["hydra/launcher=slurm"], hydra_config=True)
+    assert sweep.hydra.launcher.nodes == 1 and sweep.hydra.sweeper.params
+    try:
+        from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+    except ImportError:
+        return  # the `slurm` extra is not installed: composing is all that can be checked
+    known = set(OmegaConf.structured(SlurmQueueConf).keys())
+    assert set(launcher.keys()) <= known, set(launcher.keys()) - known
+
+
+def test_slurm_tasks_become_torch_ranks():
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77"}
+    ranks = mechanics.torch_env_from_slurm(env, "node-a")
+    assert ranks["RANK"] == "3" and ranks["LOCAL_RANK"] == "1" and ranks["WORLD_SIZE"] == "4"
+    assert ranks["MASTER_ADDR"] == "node-a" and 20000 <= int(ranks["MASTER_PORT"]) < 40000
+    assert mechanics.torch_env_from_slurm({**env, "SLURM_NTASKS": "1"}, "node-a") == {}
+    assert mechanics.torch_env_from_slurm({**env, "RANK": "0"}, "node-a") == {}  # torchrun's
+
+
+def test_slurm_task_resolves_the_sweeps_clock():
+    """A SLURM task unpickles the callback before it resolves ${rlhf_now:...} in the job dir."""
+    blob = pickle.dumps(mechanics.SlurmRanks()).hex()
+    code = (
+        "import pickle, sys; from omegaconf import OmegaConf;"
+        "assert not OmegaConf.has_resolver('rlhf_now');"
+        "pickle.loads(bytes.fromhex(sys.argv[1]));"
+        "print(OmegaConf.create({'d': '${rlhf_now:%Y-%m-%d_%H-%M-%S}'}).d)"
+    )
+    env = {**os.environ, "RLHF_RUN_TIME": "2001-02-03T04:05:06"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, blob], env=env, capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2001-02-03_04-05-06"
+
+
+# --- the launcher: commands and processes ------------------------------------------------------
+
+
+def test_job_command_runs_rlhf_in_run_mode_in_the_job_dir():
+    job_dir = Path("/s/lora=r8,zero=stage2")
+    cmd = mechanics.job_command(["zero=stage2"], job_dir, python="py")
+    assert cmd[:3] == ["py", "-m", "rlhf"] and "hydra.mode=RUN" in cmd
+    [run_dir] = [a for a in cmd if a.startswith("hydra.run.dir=")]
+    assert OverridesParser.create().parse_override(run_dir).value() == str(job_dir)
+    cmd = mechanics.job_command([], job_dir, nproc_per_node=2, python="py")
+    assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    assert cmd[cmd.index("-m", 3) + 1] == "rlhf"
+
+
+def test_job_keeps_the_sweeps_config_sources_and_hydra_settings():
+    sources = [
+        {"path": "hydra.conf", "schema": "pkg", "provider": "hydra"},
+        {"path": "/r/conf", "schema": "file", "provider": "main"},
+        {"path": "/r/sweeps", "schema": "file", "provider": "command-line"},
+    ]
+    assert mechanics.config_args(sources, "step1") == [
+        "--config-path=/r/conf",
+        "--config-dir=/r/sweeps",
+        "--config-name=step1",
+    ]
+    kept = mechanics.job_hydra_overrides(
+        [
+            "hydra.mode=MULTIRUN",
+            "hydra.sweep.dir=/x",
+            "hydra/launcher=rlhf",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.job.env_set.FOO=1",
+            "hydra.verbose=true",
+        ]
+    )
+    assert kept == ["hydra.job.env_set.FOO=1", "hydra.verbose=true"]
+
+
+def test_job_dir_names_stay_valid_directory_names():
+    assert mechanics.safe_dirname("lora=r8,zero=stage2") == "lora=r8,zero=stage2"
+    assert mechanics.safe_dirname("model.path=/ckpt/sft") == "model.path=_ckpt_sft"
+    long_a, long_b = "x=" + "a" * 300, "x=" + "a" * 299 + "b"
+    assert len(mechanics.safe_dirname(long_a).encode()) <= 240
+    assert mechanics.safe_dirname(long_a) != mechanics.safe_dirname(long_b)
+
+
+def _job(tmp_path, code: str, timeout_s=None):
+    job_dir = tmp_path / "job"
+    result = mechanics.run_job_process(
+        [sys.executable, "-c", code], job_dir, {"index": 5}, timeout_s=timeout_s
+    )
+    return result, json.loads((job_dir / "job.json").read_text()), job_dir
+
+
+def test_job_output_and_record(tmp_path):
+    result, record, job_dir = _job(
+        tmp_path, "import os; print('hello', os.getpgid(0) == os.getpid())"
+    )
+    assert result.ok and record["status"] == "COMPLETED" and record["index"] == 5
+    assert "hello True" in (job_dir / "job.log").read_text()  # its own process group
+    assert record["wall_s"] > 0 and record["pid"] != os.getpid()
+
+
+@pytest.mark.parametrize(
+    ("code", "returncode", "note"),
+    [
+        ("raise SystemExit(3)", 3, ""),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9, "SIGKILL (out of memory?)"),
+        ("import time; time.sleep(60)", None, "timed out after 1 s"),
+    ],
+    ids=["exit", "killed", "timeout"],
+)
+def test_failed_job_is_recorded(tmp_path, code, returncode, note):
+    started = time.perf_counter()
+    result, record, _ = _job(tmp_path, code, timeout_s=1)
+    assert time.perf_counter() - started < 20
+    assert not result.ok and record["status"] == "FAILED"
+    assert returncode is None or record["returncode"] == returncode
+    assert note in record["note"]
+
+
+def test_what_a_job_leaves_running_is_stopped(tmp_path):
+    code = "import subprocess; print(subprocess.Popen(['sleep', '60']).pid)"
+    result, _, job_dir = _job(tmp_path, code)
+    assert result.ok
+    pid = int((job_dir / "job.log").read_text().split()[-1])
+    time.sleep(0.5)
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "zombie" in status.read_text()
+
+
+# --- end to end (slow) -------------------------------------------------------------------------
+
+
+def _sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf", "-m", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# conf/config.yaml's exclude_keys and the FAST keys: job dirs named by what the test sweeps
+NOT_IN_NAMES = [
+    "hydra.run.dir",
+    "hydra.sweep.dir",
+    "run_dir",
+    "logger.group",
+    "cache_dir",
+    "data.cache_dir",
+    *(o.split("=")[0] for o in FAST),
+]
+
+
+def _table(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_dir):
+    sweep_dir = tmp_path / "sweep"
+    proc = _sweep(
+        [
+            "step=sft",
+            "zero=stage0,stage2",
+            "lora=none,r8",
+            "optim.lr=1e-3,-1",  # -1 fails validation: half of the jobs
+            *FAST,
+            "step.max_steps=3",
+            "step.eval_at_start=false",
+            *cache_overrides(cache_dir),
+            f"hydra.sweep.dir={sweep_dir}",
+            f"hydra.job.config.override_dirname.exclude_keys=[{','.join(NOT_IN_NAMES)}]",
+        ]
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the failures are reported...
+    assert "4 of 8 job(s) failed" in proc.stderr
+    assert "| job | overrides | status |" in proc.stdout  # ...after the table
+    rows = _table(sweep_dir)
+    assert [int(r["job"]) for r in rows] == list(range(8))
+    for row in rows:
+        bad = "optim.lr=-1" in row["overrides"]
+        assert row["status"] == ("FAILED" if bad else "COMPLETED"), row
+        if bad:
+            assert "optim.lr" in row["note"] and row["eval/loss"] == ""
+        else:
+            assert float(row["eval/loss"]) > 0 and float(row["perf/tokens_per_s"]) > 0
+            assert float(row["perf/peak_mem_gb"]) > 0 and float(row["wall_s"]) > 0
+            assert (Path(row["path"]) / "metrics.jsonl").is_file()
+    md = (sweep_dir / "summary.md").read_text()
+    assert "4 completed, 4 failed" in md and md.count("| FAILED |") == 4
+    records = [json.loads((Path(r["path"]) / "job.json").read_text()) for r in rows]
+    assert len({r["pid"] for r in records}) == 8  # a process each
+    for row, record in zip(rows, records):  # ${hydra.sweep.dir}/${hydra.job.override_dirname}
+        named = sorted(o for o in record["overrides"] if o.split("=")[0] not in NOT_IN_NAMES)
+        assert Path(row["path"]) == sweep_dir / ",".join(named)
+        assert "zero=stage" in Path(row["path"]).name
+
+    from rlhf import compare
+
+    out = tmp_path / "cmp"
+    assert compare.main([str(sweep_dir), "--metrics", "train/loss", "--out", str(out)]) == 0
+    assert (out / "train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "summary.md").read_text().count("| COMPLETED |") == 4
+
+
+@pytest.mark.slow
+def test_two_rank_job_inside_a_sweep(tmp_path, cache_dir):
+    sweep_dir = tmp_path / "sweep"
+    proc = _sweep(
+        [
+            "step=sft",
+            "zero=stage2",
+            *FAST,
+            "step.max_steps=2",
+            "step.eval_at_start=false",
+            "step.save_model=false",
+            *cache_overrides(cache_dir),
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.sweep.dir={sweep_dir}",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = _table(sweep_dir)
+    assert row["status"] == "COMPLETED" and float(row["eval/loss"]) > 0
+    job_dir = Path(row["path"])
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["command"][2:5] == ["torch.distributed.run", "--nproc_per_node", "2"]
+    logs = (job_dir / "job.log").read_text() + (job_dir / "__main__.log").read_text()
+    assert re.search(r"\b2 rank", logs), logs[-2000:]
