@@ -58,7 +58,7 @@ def run_step(
 ) -> float | None:
     """Join the process group and run ``config.step.name``."""
     from rlhf import engine
-    from rlhf.steps import STEPS
+    from rlhf.steps import recipe
     from rlhf.steps.common import RunInfo, TrainingStopped
 
     try:
@@ -66,7 +66,7 @@ def run_step(
         engine.init_distributed(device)  # torn down at exit
         _quiet_libraries(is_main=engine.is_main())
         info = RunInfo(run_dir=run_dir, run_name=run_name, group=group, config=resolved)
-        summary = STEPS[config.step.name](config, info)
+        summary = recipe(config.step.name)(config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
     except TrainingStopped as stopped:
@@ -80,13 +80,14 @@ def run_step(
 
 
 def check_launch(config: Config) -> None:
-    """Checks that depend on the launch (rank count), not only on the config."""
-    from rlhf.steps import STEPS
+    """Checks that depend on the launch (rank count) or on files, not only on the config:
+    they run before the process group and any model (see rlhf.preflight)."""
+    from rlhf.preflight import check_models, hybrid_engine_problem
 
-    if config.step.name not in STEPS:
-        raise ConfigError(
-            f"step={config.step.name}: not available yet; choose from {', '.join(STEPS)}"
-        )
+    problem = hybrid_engine_problem(config.step.name, config.actor.hybrid_engine, config.device)
+    if problem:
+        raise ConfigError(problem)
+    check_models(config)
 
 
 def _fail(err: ConfigError) -> None:

@@ -26,7 +26,14 @@ def turn(question: str) -> str:
 class Chat:
     """A conversation with one model: :meth:`reply` adds a turn and returns the answer."""
 
-    def __init__(self, path: str, device: str = "auto", max_new_tokens: int = 128, **sampling):
+    def __init__(
+        self,
+        path: str,
+        device: str = "auto",
+        max_new_tokens: int = 128,
+        trust_remote_code: bool = False,
+        **sampling,
+    ):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -35,8 +42,12 @@ class Chat:
         transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+            .to(device)
+            .eval()
+        )
         self.device = device
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling  # do_sample, temperature, top_p, top_k
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"do_sample": args.sample}
     if args.sample:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    chat = Chat(args.path, args.device, args.max_new_tokens, **sampling)
+    chat = Chat(args.path, args.device, args.max_new_tokens, args.trust_remote_code, **sampling)
     interactive = sys.stdin.isatty()
     if interactive:
         print("Type a message; 'clear' forgets the conversation, 'quit' exits.", file=sys.stderr)
@@ -129,6 +140,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model repository's own code (off by default)",
+    )
     return p
 
 

@@ -45,6 +45,18 @@ def latest(run_dir: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def resume_point(run_dir: Path, mode: str) -> Path | None:
+    """Collective. The checkpoint to resume from (resume=auto), or None: then an earlier run's
+    checkpoints in this run dir are removed, so that pruning and a later resume see this run's
+    only."""
+    path = latest(run_dir) if mode == "auto" else None
+    if path is None:
+        if is_main():
+            shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
+        barrier()
+    return path
+
+
 def save(
     run_dir: Path, step: int, engines: dict[str, Any], trainer: dict[str, Any], keep: int
 ) -> Path:
@@ -52,7 +64,7 @@ def save(
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
-    error: OSError | None = None
+    error: Exception | None = None
     try:
         if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -63,7 +75,9 @@ def save(
         torch.save(rng_state(), tmp / f"rng-rank{rank()}.pt")
         if is_main():
             torch.save({**trainer, "world_size": world_size()}, tmp / "trainer.pt")
-    except OSError as err:  # a full disk, a quota, a file-size limit
+    # a full disk, a quota, a file-size limit (torch.save reports a failed write as a
+    # RuntimeError from its zip writer)
+    except (OSError, RuntimeError) as err:
         error = err
     failed = torch.tensor([float(error is not None)])
     if world_size() > 1:
@@ -95,7 +109,7 @@ def save(
 
 def load(path: Path, engines: dict[str, Any]) -> dict[str, Any]:
     """Restore the engines and this rank's RNG; return the trainer state."""
-    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
     if trainer["world_size"] != world_size():
         raise CheckpointError(
             f"{path} was written by {trainer['world_size']} rank(s); resume it "
@@ -105,15 +119,17 @@ def load(path: Path, engines: dict[str, Any]) -> dict[str, Any]:
         load_path, _ = engine.load_checkpoint(str(path / name), tag="state")
         if load_path is None:
             raise CheckpointError(f"{path / name}: DeepSpeed found no checkpoint to load")
-    set_rng_state(torch.load(path / f"rng-rank{rank()}.pt", weights_only=False))
+    set_rng_state(torch.load(path / f"rng-rank{rank()}.pt", weights_only=True))
     log.info("resumed from %s (step %d)", path, trainer["state"]["global_step"])
     return trainer
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's random generators, in plain types and tensors (loadable weights-only)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -122,8 +138,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -292,6 +292,9 @@ class SFTConfig:
     # DeepSpeed-Chat trains on the prompt tokens too. Off by default: the loss then measures the
     # answers alone, which is what eval/ppl reports and what the later steps generate.
     loss_on_prompt: bool = False
+    # concatenate each step's rows into sequences of up to data.max_seq_len tokens (each row
+    # keeps its own positions and a block-diagonal causal mask): the same update, less padding
+    packing: bool = False
     gold_eval_prompts: int = 64  # held-out prompts answered greedily for eval/gold_accuracy
     gen_max_new_tokens: int = 32  # answer length for that evaluation
 
@@ -368,6 +371,7 @@ class PPOConfig:
     ppo_epochs: int = 1
     epochs: int = 1  # passes over the prompt set
     grad_accum: int = 1
+    prompt_sources: list[str] = field(default_factory=list)  # data.sources to take prompts from
     # rollouts
     max_new_tokens: int = 0  # answer tokens; 0: data.max_seq_len - data.max_prompt_len
     temperature: float = 1.0
@@ -507,6 +511,15 @@ class Config:
             out.append(("device", self.device, "one of auto, cpu, cuda"))
         if self.resume not in ("auto", "never"):
             out.append(("resume", self.resume, "auto or never"))
+        unknown = [name for name in self.ppo.prompt_sources if name not in self.data.sources]
+        if unknown:
+            out.append(
+                (
+                    "ppo.prompt_sources",
+                    unknown,
+                    f"names from data.sources: {', '.join(self.data.sources)}",
+                )
+            )
         if self.critic.hybrid_engine:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
         if self.step.name == "ppo":

@@ -7,12 +7,15 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from rlhf import algos
 from rlhf.generation import Rollout
+from rlhf.steps.common import all_reduce_sum
 
 
 class Experience(NamedTuple):
@@ -59,9 +62,15 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def response_logprobs(
-    model, sequences: torch.Tensor, attention_mask: torch.Tensor, start: int, fp32: bool = False
+    model,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+    fp32: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, R) log-probs of the response tokens and the (B, R, V) logits that produced them."""
+    """(B, R) log-probs of the response tokens and the (B, R, V) logits that produced them,
+    under the sampling temperature (so the ratio compares the distributions actually sampled)."""
     logits = model(
         input_ids=sequences,
         attention_mask=attention_mask,
@@ -70,6 +79,8 @@ def response_logprobs(
     ).logits
     logits = logits[:, start:-1]
     logits = logits.float() if fp32 else logits
+    if temperature != 1.0:
+        logits = logits / temperature
     return algos.logprobs_from_logits(logits, sequences[:, start + 1 :]), logits
 
 
@@ -89,81 +100,63 @@ def mask_short_answers(
     return response_mask & ~short.unsqueeze(1), short
 
 
+@dataclass(frozen=True)
+class Shaping:
+    """How a rollout becomes rewards and advantages (ppo.* keys; kl_coef may adapt)."""
+
+    kl_coef: float
+    kl_estimator: str
+    clip_reward_value: float
+    gamma: float
+    lam: float
+    min_response_tokens: int
+    score_position: str  # where the reward model's score is read: "last" | "mean"
+    reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
+    temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
+
+
 @torch.no_grad()
 def make_experience(
-    rollout: Rollout,
-    actor,
-    reference,
-    critic,
-    reward_model,
-    *,
-    kl_coef: float,
-    kl_estimator: str,
-    clip_reward_value: float,
-    gamma: float,
-    lam: float,
-    min_response_tokens: int,
-    score_position: str,
-    reward_stats: tuple[float, float] | None,
-    device: torch.device,
+    rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
 ) -> Experience:
     """Score a rollout with the four models (all in eval mode, so the old log-probs come from
     the generating weights without dropout) and compute rewards and advantages."""
     for trained in (actor, critic):
         trained.eval()
     try:
-        return _score(
-            rollout,
-            actor,
-            reference,
-            critic,
-            reward_model,
-            kl_coef,
-            kl_estimator,
-            clip_reward_value,
-            gamma,
-            lam,
-            min_response_tokens,
-            score_position,
-            reward_stats,
-            device,
-        )
+        return _score(rollout, actor, reference, critic, reward_model, shaping, device)
     finally:
         for trained in (actor, critic):
             trained.train()
 
 
 def _score(
-    rollout,
-    actor,
-    reference,
-    critic,
-    reward_model,
-    kl_coef,
-    kl_estimator,
-    clip_reward_value,
-    gamma,
-    lam,
-    min_response_tokens,
-    score_position,
-    reward_stats,
-    device,
+    rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
 ) -> Experience:
     sequences = rollout.sequences.to(device)
     attention_mask = rollout.attention_mask.to(device)
     start = rollout.prompt_width - 1
-    response_mask, short = mask_short_answers(rollout.response_mask.to(device), min_response_tokens)
+    response_mask, short = mask_short_answers(
+        rollout.response_mask.to(device), shaping.min_response_tokens
+    )
 
-    old_logprobs, _ = response_logprobs(actor, sequences, attention_mask, start)
-    ref_logprobs, _ = response_logprobs(reference, sequences, attention_mask, start)
+    old_logprobs, _ = response_logprobs(
+        actor, sequences, attention_mask, start, temperature=shaping.temperature
+    )
+    ref_logprobs, _ = response_logprobs(
+        reference, sequences, attention_mask, start, temperature=shaping.temperature
+    )
     old_values = response_values(critic, sequences, attention_mask, start).float()
     full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
     full_response[:, rollout.prompt_width :] = rollout.response_mask.to(device)
     scores = algos.sequence_scores(
-        reward_model(sequences, attention_mask), attention_mask, full_response, score_position
+        reward_model(sequences, attention_mask),
+        attention_mask,
+        full_response,
+        shaping.score_position,
     ).float()
-    if reward_stats is not None:
-        mean, std = reward_stats
+    if shaping.reward_stats is not None:
+        mean, std = shaping.reward_stats
         scores = (scores - mean) / max(std, 1e-6)
 
     rewards, kl = algos.compute_rewards(
@@ -171,11 +164,11 @@ def _score(
         old_logprobs.float(),
         ref_logprobs.float(),
         response_mask,
-        kl_coef,
-        clip_reward_value,
-        kl_estimator,
+        shaping.kl_coef,
+        shaping.clip_reward_value,
+        shaping.kl_estimator,
     )
-    advantages, returns = algos.gae(rewards, old_values, response_mask, gamma, lam)
+    advantages, returns = algos.gae(rewards, old_values, response_mask, shaping.gamma, shaping.lam)
     return Experience(
         sequences,
         attention_mask,
@@ -191,3 +184,77 @@ def _score(
         returns,
         short,
     )
+
+
+def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
+    """Advantages to zero mean, unit variance over every real response token of all ranks."""
+    total = count = squares = 0.0
+    for e in experiences:
+        a = e.advantages[e.response_mask]
+        total, count, squares = (
+            total + a.sum().item(),
+            count + a.numel(),
+            squares + (a**2).sum().item(),
+        )
+    total, count, squares = all_reduce_sum(total, count, squares)
+    mean = total / max(count, 1.0)
+    std = math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0)) + 1e-8
+    return [
+        e._replace(advantages=torch.where(e.response_mask, (e.advantages - mean) / std, 0.0))
+        for e in experiences
+    ]
+
+
+def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
+    """Reward, KL to the reference (summed over each answer), answer length, masked answers;
+    means over the rows of all ranks that were not masked for being too short."""
+    sums = torch.zeros(6, dtype=torch.float64)
+    for e in experiences:
+        keep = ~e.short
+        sums += torch.tensor(
+            [
+                float(keep.sum()),
+                e.scores[keep].sum().item(),
+                algos.masked_sum(e.kl, e.response_mask).item(),
+                e.response_mask.sum().item(),
+                float(e.short.sum()),
+                algos.masked_sum(e.advantages, e.response_mask).item(),
+            ],
+            dtype=torch.float64,
+        )
+    rows, reward, kl, length, short, advantages = all_reduce_sum(*sums.tolist())
+    rows = max(rows, 1.0)
+    return {
+        "ppo/reward": reward / rows,
+        "ppo/kl": kl / rows,
+        "ppo/response_length": length / rows,
+        "ppo/short_answers": short,
+        "ppo/advantage_mean": advantages / max(length, 1.0),
+    }
+
+
+def concat(experiences: list[Experience]) -> Experience:
+    """Stack generation batches (their widths may differ: pad on the right with masked zeros)."""
+    if len(experiences) == 1:
+        return experiences[0]
+    prompt_width = max(e.prompt_width for e in experiences)
+    response_width = max(e.response_mask.shape[1] for e in experiences)
+    return Experience(
+        *[
+            torch.cat([_pad(e, field, prompt_width, response_width) for e in experiences])
+            if field != "prompt_width"
+            else prompt_width
+            for field in Experience._fields
+        ]
+    )
+
+
+def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> torch.Tensor:
+    value = getattr(e, field)
+    if field in ("scores", "short"):
+        return value
+    if field in ("sequences", "attention_mask"):  # left-pad prompts, right-pad responses
+        left = prompt_width - e.prompt_width
+        right = response_width - e.response_mask.shape[1]
+        return torch.nn.functional.pad(value, (left, right), value=0)  # masked either way
+    return torch.nn.functional.pad(value, (0, response_width - value.shape[1]), value=0)

@@ -314,3 +314,12 @@ def _dir_digest(path: Path) -> str:
     for file in sorted(p for p in Path(path).iterdir() if p.is_file()):
         digest.update(file.name.encode() + file.read_bytes())
     return digest.hexdigest()
+
+
+STATS_FILE = "reward_stats.json"
+
+
+def read_stats(model_dir: str | Path) -> dict | None:
+    """The score statistics a reward export carries (None for other models)."""
+    path = Path(model_dir) / STATS_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -40,9 +40,10 @@ class Tracker:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume is not None:
-            for name in ("metrics.jsonl", "eval_samples.jsonl"):
-                _truncate_after(self.run_dir / name, resume["step"])
+        # a resumed run drops the rows logged after its checkpoint; a fresh one, every row of an
+        # earlier run in this run dir (killed before its first checkpoint, or resume=never)
+        for name in ("metrics.jsonl", "eval_samples.jsonl"):
+            _truncate_after(self.run_dir / name, resume["step"] if resume is not None else -1)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
             run_id = (resume or {}).get("wandb_id")

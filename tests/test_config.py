@@ -133,10 +133,11 @@ def test_experiment_sft_has_the_published_step1_values():
 
 
 def test_experiment_without_a_step_file_still_composes():
-    """experiment_step is optional: steps whose file has not landed get the shared values only."""
-    assert not (CONF_DIR / "experiment_step" / "opt-1.3b-350m" / "reward.yaml").exists()
-    c = to_config(compose(["experiment=opt-1.3b-350m", "step=reward"]))
-    assert (c.step.name, c.model.name, c.zero.stage) == ("reward", "opt-1.3b", 2)
+    """experiment_step is optional: a step without a file (step=all: each of its steps composes
+    its own) gets the shared values only."""
+    assert not (CONF_DIR / "experiment_step" / "opt-1.3b-350m" / "all.yaml").exists()
+    c = to_config(compose(["experiment=opt-1.3b-350m", "step=all"]))
+    assert (c.step.name, c.model.name, c.zero.stage) == ("all", "opt-1.3b", 2)
     assert c.optim.lr != 9.65e-6  # sft.yaml's values are not applied
     assert not c.sft.loss_on_prompt
 
@@ -162,15 +163,21 @@ def _sweep_params(name: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("name", SWEEPS)
-def test_sweep_composes_and_every_swept_value_exists(name):
+def test_sweep_composes_and_every_swept_value_exists(name, tmp_path):
     cfg = compose_sweep(name, hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN"
     params = _sweep_params(name)
     assert params and all(len(values) >= 1 for values in params.values())
-    to_config(compose_sweep(name))
+    # a step=ppo sweep starts from the SFT and reward exports: any existing dirs will do here
+    exports = (
+        [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+        if compose_sweep(name).step.name == "ppo"
+        else []
+    )
+    to_config(compose_sweep(name, exports))
     for key, values in params.items():
         for value in values:
-            to_config(compose_sweep(name, [f"{key}={value}"]))
+            to_config(compose_sweep(name, [*exports, f"{key}={value}"]))
 
 
 def test_step1_sweep_is_deepspeed_chats_grid():

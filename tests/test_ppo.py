@@ -15,14 +15,16 @@ from rlhf import algos
 from rlhf.data.batching import left_pad, right_pad
 from rlhf.experience import (
     Experience,
+    Shaping,
+    concat,
     make_experience,
     mask_short_answers,
     response_logprobs,
     response_values,
+    whiten_advantages,
 )
 from rlhf.generation import Rollout, response_mask
 from rlhf.models import ValueModel
-from rlhf.steps.ppo import _concat, whiten_advantages
 
 PAD, BOS, EOS = 0, 1, 2
 G = 1e30  # large finite garbage at masked positions
@@ -247,12 +249,7 @@ class ConstantReward(torch.nn.Module):
 def _experience(rollout: Rollout, actor, critic, min_response_tokens: int = 1) -> Experience:
     """The rollout scored by ``actor``, another random model as reference, ``critic`` and a
     reward model that gives 7 (clipped to 5)."""
-    return make_experience(
-        rollout,
-        actor,
-        _lm(seed=2),
-        critic,
-        ConstantReward(7.0),
+    shaping = Shaping(
         kl_coef=0.1,
         kl_estimator="k1",
         clip_reward_value=5.0,
@@ -261,7 +258,9 @@ def _experience(rollout: Rollout, actor, critic, min_response_tokens: int = 1) -
         min_response_tokens=min_response_tokens,
         score_position="last",
         reward_stats=None,
-        device=torch.device("cpu"),
+    )
+    return make_experience(
+        rollout, actor, _lm(seed=2), critic, ConstantReward(7.0), shaping, torch.device("cpu")
     )
 
 
@@ -315,7 +314,7 @@ def test_concat_repads_without_changing_any_rows_numbers():
     assert (a.prompt_width, a.response_mask.shape[1]) == (6, 5)
     assert (b.prompt_width, b.response_mask.shape[1]) == (2, 3)
 
-    cat = _concat([a, b])
+    cat = concat([a, b])
     P, R = cat.prompt_width, cat.response_mask.shape[1]
     assert (P, R) == (6, 5)
     assert cat.sequences.shape == cat.attention_mask.shape == (3, P + R)

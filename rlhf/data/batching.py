@@ -112,6 +112,112 @@ def sft_batch(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: the positions of ``lengths`` grouped into bins whose lengths sum to
+    at most ``capacity`` (a longer item gets a bin of its own). Fuller bins come first."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((b for b, free in enumerate(room) if lengths[i] <= free), None)
+        if fit is None:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            bins[fit].append(i)
+            room[fit] -= lengths[i]
+    return bins
+
+
+def packed_sft_batch(
+    rows: list[dict], pad_id: int, loss_on_prompt: bool, capacity: int, pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
+    """``sft_batch``'s rows concatenated into fewer sequences of at most ``capacity`` tokens.
+    Each row restarts its ``position_ids`` at 0 and carries its own ``segment_ids`` (-1 on
+    padding), from which ``model_inputs`` builds a block-diagonal causal mask, so no token sees
+    another row. ``labels`` hold exactly the unpacked targets: a row's first token is never one
+    (it would be predicted from the previous row). ``attention_mask`` stays 2D, 1 on real tokens
+    (for counting)."""
+    bins = pack_bins([len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows], capacity)
+    return _packed(rows, bins, pad_id, loss_on_prompt, pad_to)
+
+
+def packed_sft_batches(
+    micro_rows: list[list[dict]],
+    pad_id: int,
+    loss_on_prompt: bool,
+    capacity: int,
+    pad_to: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """One optimizer step's micro batches, packed together: all their rows go into as few
+    sequences as fit, dealt back into as many micro batches (fullest first, round robin). The
+    step's rows and targets are unchanged, and so is its update, whose loss is normalised by the
+    step's global target count. With fewer sequences than micro batches, each micro batch is
+    packed on its own."""
+    rows = [r for batch in micro_rows for r in batch]
+    bins = pack_bins([len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows], capacity)
+    if len(bins) < len(micro_rows):
+        return [packed_sft_batch(b, pad_id, loss_on_prompt, capacity, pad_to) for b in micro_rows]
+    count = len(micro_rows)
+    return [_packed(rows, bins[k::count], pad_id, loss_on_prompt, pad_to) for k in range(count)]
+
+
+def _packed(
+    rows: list[dict], bins: list[list[int]], pad_id: int, loss_on_prompt: bool, pad_to: int | None
+) -> dict[str, torch.Tensor]:
+    """The packed tensors of ``bins`` (lists of positions in ``rows``), one sequence a bin."""
+    lengths = [len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows]
+    width = max(pad_to or 0, max(sum(lengths[i] for i in b) for b in bins))
+    input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(bins), width), IGNORE_INDEX, dtype=torch.long)
+    segment_ids = torch.full((len(bins), width), -1, dtype=torch.long)
+    position_ids = torch.zeros((len(bins), width), dtype=torch.long)
+    for k, members in enumerate(bins):
+        offset = 0
+        for segment, i in enumerate(members):
+            ids, end = (
+                torch.tensor(rows[i]["prompt_ids"] + rows[i]["chosen_ids"]),
+                offset + lengths[i],
+            )
+            first = offset + max(1, 0 if loss_on_prompt else len(rows[i]["prompt_ids"]))
+            input_ids[k, offset:end] = ids
+            labels[k, first:end] = input_ids[k, first:end]
+            segment_ids[k, offset:end] = segment
+            position_ids[k, offset:end] = torch.arange(len(ids))
+            offset = end
+    return {
+        "input_ids": input_ids,
+        "attention_mask": (segment_ids >= 0).long(),
+        "labels": labels,
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+    }
+
+
+def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, T) segment ids -> (N, 1, T, T) additive mask: 0 where a query may see a key (same
+    segment, not later), the dtype's minimum elsewhere. Padding (-1) only sees padding."""
+    width = segment_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def model_inputs(batch: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A causal LM's keyword arguments for an ``sft_batch`` or a ``packed_sft_batch`` (which
+    adds its position ids and the block-diagonal causal mask)."""
+    if "segment_ids" not in batch:
+        return {
+            "input_ids": batch["input_ids"].to(device),
+            "attention_mask": batch["attention_mask"].to(device),
+        }
+    return {
+        "input_ids": batch["input_ids"].to(device),
+        "position_ids": batch["position_ids"].to(device),
+        "attention_mask": block_causal_mask(batch["segment_ids"].to(device), dtype),
+    }
+
+
 def count_targets(labels: torch.Tensor) -> int:
     """Tokens that count in the loss: every label except the first position's (shifted away)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -5,6 +5,11 @@ PPO will score: ``prompt_ids`` (BOS + prompt, left-truncated to max_prompt_len) 
 ``chosen_ids`` / ``rejected_ids`` (answer tokens + end-of-text, cut so prompt + answer fit in
 max_seq_len). Prompt and answer are tokenised separately, because PPO generates after the
 prompt's own tokens and the reward model must see that same split.
+
+Bad data fails here, before any model is built, with a :class:`SourceError` (exit status 2):
+a source that gives a phase no usable rows, and (``data.overlong_prompts=error``) a prompt
+longer than ``data.max_prompt_len``. ``truncate`` (the default) and ``skip`` log how many
+prompts they cut or dropped.
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ from pathlib import Path
 
 import datasets
 
-from rlhf.config import DataConfig
-from rlhf.data.sources import load_pairs
+from rlhf.config import ConfigError, DataConfig
+from rlhf.data.sources import SourceError, describe, load_pairs
 from rlhf.data.split import phase_indices
-from rlhf.engine import barrier, is_main
+from rlhf.engine import barrier, is_main, world_size
 from rlhf.models import publish_dir
 
 log = logging.getLogger(__name__)
 
 PHASES = ("sft", "reward", "ppo")
 FORMAT_VERSION = 1  # bump when the tokenised layout changes
+_SOURCE = "_source"  # temporary column: which source a row came from, for messages
+_OVERLONG = "_overlong"  # temporary column: the prompt was longer than max_prompt_len
 
 
 def phase_dataset(
@@ -39,15 +46,35 @@ def phase_dataset(
     other ranks (and later runs) load it."""
     key = cache_key(data, phase, split, tokenizer, end_of_text_id)
     path = Path(data.cache_dir).expanduser() / f"{phase}-{split}-{key[:20]}"
+    failure = None
     if is_main() and not (path / "dataset_info.json").exists():
-        built = _build(data, phase, split, tokenizer, end_of_text_id)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        built.save_to_disk(str(tmp))
-        publish_dir(tmp, path)
-        log.info("tokenised %d %s/%s rows into %s", len(built), phase, split, path)
+        try:
+            built = _build(data, phase, split, tokenizer, end_of_text_id)
+        except ConfigError as err:
+            failure = err
+        else:
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            built.save_to_disk(str(tmp))
+            publish_dir(tmp, path)
+            log.info("tokenised %d %s/%s rows into %s", len(built), phase, split, path)
+    _raise_on_every_rank(failure)
     barrier()
     return datasets.load_from_disk(str(path))
+
+
+def _raise_on_every_rank(failure: ConfigError | None) -> None:
+    """Rank 0 builds alone: its data error is raised on every rank, so all of them exit with
+    the message instead of the others failing in the barrier."""
+    import torch.distributed
+
+    if world_size() > 1 and torch.distributed.is_initialized():
+        message = [str(failure) if failure is not None else None]
+        torch.distributed.broadcast_object_list(message, src=0)
+        if failure is None and message[0] is not None:
+            failure = SourceError(message[0])
+    if failure is not None:
+        raise failure
 
 
 def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int) -> str:
@@ -64,6 +91,7 @@ def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_i
         "seed": data.seed,
         "max_seq_len": data.max_seq_len,
         "max_prompt_len": data.max_prompt_len,
+        "overlong_prompts": data.overlong_prompts,
         "max_eval_rows": data.max_eval_rows if split == "eval" else 0,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "end_of_text_id": end_of_text_id,
@@ -94,7 +122,8 @@ def _build(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: 
     parts = []
     for name, source in data.sources.items():
         pairs, dropped = load_pairs(source, split, data.seed)
-        indices = phase_indices(len(pairs), data.phase_split, PHASES.index(phase), data.seed)
+        usable = len(pairs)
+        indices = phase_indices(usable, data.phase_split, PHASES.index(phase), data.seed)
         pairs = pairs.select(indices)
         log.info(
             "data %s/%s: %d rows for %s (%d rows skipped: missing or empty fields)",
@@ -104,49 +133,120 @@ def _build(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: 
             phase,
             dropped,
         )
-        parts.append(pairs)
+        if len(pairs) == 0:
+            raise SourceError(no_rows_message(source, phase, split, usable, dropped, data))
+        parts.append(pairs.add_column(_SOURCE, [describe(source)] * len(pairs)))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if split == "eval" and data.max_eval_rows and len(rows) > data.max_eval_rows:
         rows = rows.shuffle(seed=data.seed).select(range(data.max_eval_rows))
-    tokenize = _Tokenize(tokenizer, end_of_text_id, data.max_prompt_len, data.max_seq_len)
-    return rows.map(
-        tokenize, batched=True, remove_columns=[c for c in rows.column_names if c != "prompt"]
+    tokenize = _Tokenize(
+        tokenizer, end_of_text_id, data.max_prompt_len, data.max_seq_len, data.overlong_prompts
     )
+    out = rows.map(tokenize, batched=True, remove_columns=rows.column_names)
+    overlong = len(rows) - len(out) if data.overlong_prompts == "skip" else sum(out[_OVERLONG])
+    if overlong:
+        log.info(
+            "data %s/%s: %d of %d prompts longer than data.max_prompt_len=%d tokens %s "
+            "(data.overlong_prompts=%s)",
+            phase,
+            split,
+            overlong,
+            len(rows),
+            data.max_prompt_len,
+            "skipped" if data.overlong_prompts == "skip" else "left-truncated",
+            data.overlong_prompts,
+        )
+    if len(out) == 0:
+        raise SourceError(
+            f"data.overlong_prompts='skip': all {len(rows)} {phase}/{split} prompts are longer "
+            f"than data.max_prompt_len={data.max_prompt_len} tokens"
+        )
+    return out.remove_columns(_OVERLONG)
+
+
+def no_rows_message(
+    source, phase: str, split: str, usable: int, dropped: int, data: DataConfig
+) -> str:
+    """Why ``source`` gives the ``phase`` phase's ``split`` split no rows."""
+    if usable + dropped == 0:
+        why = "it has no rows (0 skipped)"
+    elif usable == 0:
+        why = (
+            f"all {dropped} rows were skipped (a missing, empty or non-text prompt/chosen/"
+            "rejected, or chosen == rejected)"
+        )
+    else:
+        why = (
+            f"its {usable} usable rows ({dropped} skipped) leave none for {phase} with "
+            f"data.phase_split={list(data.phase_split)}"
+        )
+    return f"source {describe(source)}: no usable rows for the {phase} phase's {split} split: {why}"
 
 
 class _Tokenize:
-    """Batched map function (a class so ``datasets`` can fingerprint it)."""
+    """Batched map function (a class so ``datasets`` can fingerprint it). Reads ``prompt``,
+    ``chosen``, ``rejected`` (and ``responses``) and the source column; writes ``prompt``,
+    the token ids and the over-long flag."""
 
-    def __init__(self, tokenizer, end_of_text_id: int, max_prompt_len: int, max_seq_len: int):
+    def __init__(
+        self,
+        tokenizer,
+        end_of_text_id: int,
+        max_prompt_len: int,
+        max_seq_len: int,
+        overlong: str = "truncate",
+    ):
         self.tokenizer = tokenizer
         self.eot = end_of_text_id
         self.max_prompt_len = max_prompt_len
         self.max_seq_len = max_seq_len
+        self.overlong = overlong
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """Keep BOS and the end of the prompt, where the question is."""
+        if len(ids) <= self.max_prompt_len:
+            return ids
+        bos = self.tokenizer.bos_token_id
+        head = [bos] if ids[0] == bos else []
+        return head + ids[len(ids) - self.max_prompt_len + len(head) :]
 
     def prompt(self, texts: list[str]) -> list[list[int]]:
-        out = []
-        bos = self.tokenizer.bos_token_id
-        for ids in self.tokenizer(texts)["input_ids"]:
-            if len(ids) > self.max_prompt_len:  # keep BOS and the end, where the question is
-                head = [bos] if ids[0] == bos else []
-                ids = head + ids[len(ids) - self.max_prompt_len + len(head) :]
-            out.append(ids)
-        return out
+        return [self.truncate(ids) for ids in self.tokenizer(texts)["input_ids"]]
 
     def answer(self, texts: list[str], prompt_lens: list[int]) -> list[list[int]]:
+        if not texts:  # a batch whose rows were all skipped (the tokenizer refuses [])
+            return []
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [[*ids, self.eot][: self.max_seq_len - n] for ids, n in zip(encoded, prompt_lens)]
 
     def __call__(self, batch: dict) -> dict:
-        prompt_ids = self.prompt(batch["prompt"])
+        encoded = self.tokenizer(batch["prompt"])["input_ids"]
+        keep = []
+        for i, ids in enumerate(encoded):
+            if len(ids) > self.max_prompt_len:
+                if self.overlong == "error":
+                    source = batch[_SOURCE][i] if _SOURCE in batch else "?"
+                    raise SourceError(
+                        f"source {source}: the prompt {batch['prompt'][i][:60]!r}... is "
+                        f"{len(ids)} tokens, longer than data.max_prompt_len="
+                        f"{self.max_prompt_len} (data.overlong_prompts='error'; 'truncate' "
+                        "keeps its end, 'skip' drops the row)"
+                    )
+                if self.overlong == "skip":
+                    continue
+            keep.append(i)
+        prompt_ids = [self.truncate(encoded[i]) for i in keep]
         lens = [len(ids) for ids in prompt_ids]
         out = {
+            "prompt": [batch["prompt"][i] for i in keep],
             "prompt_ids": prompt_ids,
-            "chosen_ids": self.answer(batch["chosen"], lens),
-            "rejected_ids": self.answer(batch["rejected"], lens),
+            "chosen_ids": self.answer([batch["chosen"][i] for i in keep], lens),
+            "rejected_ids": self.answer([batch["rejected"][i] for i in keep], lens),
         }
         if "responses" in batch:
             out["responses_ids"] = [
-                self.answer(list(r), [n] * len(r)) for r, n in zip(batch["responses"], lens)
+                self.answer(list(batch["responses"][i]), [n] * len(batch["responses"][i]))
+                for i, n in zip(keep, lens)
             ]
+        out[_OVERLONG] = [len(encoded[i]) > self.max_prompt_len for i in keep]
         return out

@@ -36,12 +36,18 @@ Where the rows come from:
 - ``toy`` generates ``num_rows`` train rows and ``max(num_rows // 10, 1)`` eval rows from the toy task's
   held-out ``test`` instance space, so eval prompts are never train prompts (its ``task``,
   ``rejected_kind`` and ``wrong_kind`` columns are not kept; the gold checker reads the prompt).
+
+Bad files fail with a :class:`SourceError` (a ConfigError: ``error: ...``, exit status 2) that names
+the file and line: bytes that are not UTF-8 (``datasets`` would load them and fail on first access),
+a line that is not JSON. An empty file loads as no rows; the pipeline then reports the source as
+giving the phase no usable rows (see ``docs/bad_input.md``).
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 import os
 import re
@@ -340,14 +346,21 @@ def _open_local(source: Any) -> datasets.Dataset | datasets.DatasetDict:
         _check_utf8(source, path)
         if _is_blank(path):
             return datasets.Dataset.from_dict({})
+    builder = _FILE_BUILDERS[extension]
+    # the builder logs its own parse error at ERROR level before raising; the message below says it
+    builder_log = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    level = builder_log.level
+    builder_log.setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(_FILE_BUILDERS[extension], data_files=path, split="train")
+        return datasets.load_dataset(builder, data_files=path, split="train")
     except (datasets.exceptions.DatasetGenerationError, ValueError, StopIteration) as err:
         where = _first_bad_json(path) if extension in (".jsonl", ".json") else None
         cause = err.__cause__ or err
         raise SourceError(
-            f"source {describe(source)}: cannot read {path}: {where or f'{cause}'}"
+            f"source {describe(source)}: {where or f'cannot read it: {cause}'}"
         ) from None
+    finally:
+        builder_log.setLevel(level)
 
 
 def _check_utf8(source: Any, path: str) -> None:
@@ -367,10 +380,13 @@ def _check_utf8(source: Any, path: str) -> None:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
+                shown = line.decode("utf-8", errors="replace").rstrip("\n")
+                at = len(line[: err.start].decode("utf-8", errors="replace"))
+                near = shown[max(at - 20, 0) : at + 20]
                 raise SourceError(
-                    f"source {describe(source)}: {path} line {number} is not valid UTF-8 "
-                    f"(byte 0x{line[err.start]:02x} at byte {err.start + 1} of the line: "
-                    f"{line[: err.start + 1][-40:]!r}); re-encode the file as UTF-8"
+                    f"source {describe(source)}: line {number} is not valid UTF-8 (byte "
+                    f"0x{line[err.start]:02x} at byte {err.start + 1}: {near!r}); re-encode the "
+                    "file as UTF-8"
                 ) from None
 
 

@@ -1,6 +1,12 @@
-"""The recipes, by step name. Each takes the typed config and a RunInfo and returns its summary."""
+"""The recipes, by step name. Each module's ``run(cfg, info)`` takes the typed config and a
+RunInfo and returns its summary. Imported on demand, so helpers in ``rlhf.steps.common`` can be
+used by lower-level modules without loading every recipe."""
 
-from rlhf.steps import all as pipeline
-from rlhf.steps import ppo, reward, sft
+import importlib
 
-STEPS = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run, "all": pipeline.run}
+NAMES = ("sft", "reward", "ppo", "all")
+
+
+def recipe(name: str):
+    """The ``run`` function of step ``name``."""
+    return importlib.import_module(f"rlhf.steps.{name}").run

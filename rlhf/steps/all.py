@@ -14,8 +14,10 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from rlhf.config import Config, to_config
+from rlhf.config import Config, ConfigError, to_config
 from rlhf.engine import is_main
+from rlhf.preflight import hybrid_engine_problem
+from rlhf.steps import recipe
 from rlhf.steps.common import RunInfo
 from rlhf.tracking import plain
 
@@ -48,11 +50,15 @@ def is_complete(step_dir: Path, step: str) -> bool:
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
-    from rlhf.steps import STEPS
-
     hydra_cfg = HydraConfig.get()
     user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
     group = info.group or info.run_dir.name
+    # PPO's settings come from its own composition (an experiment's ppo file may turn on the
+    # hybrid engine): check them before hours of SFT and reward training.
+    ppo_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=[*user, "step=ppo"])
+    problem = hybrid_engine_problem("ppo", ppo_cfg.actor.hybrid_engine, ppo_cfg.device)
+    if problem:
+        raise ConfigError(problem)
     summary: dict[str, float] = {}
     for step in ORDER:
         step_dir = info.run_dir / step
@@ -73,7 +79,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                 group=group,
                 config=OmegaConf.to_container(composed, resolve=True),
             )
-            result = STEPS[step](to_config(composed), step_info)
+            result = recipe(step)(to_config(composed), step_info)
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
         info.run_dir.mkdir(parents=True, exist_ok=True)

@@ -173,6 +173,11 @@ class NonFiniteGuard:
             self._poisoned = True
             for engine in self.engines:
                 engine.inner_optimizer.skip_next_step = True
+                if not engine.zero_optimization():
+                    # ZeRO-0 clips p.grad before the (skipped) step: it fails if none has one
+                    for param in engine.module.parameters():
+                        if param.requires_grad and param.grad is None:
+                            param.grad = torch.zeros_like(param)
         return ok
 
     def end_step(self, step: int) -> None:

@@ -10,42 +10,44 @@ dropped), and approx-KL / clip-fraction / ratio are logged with an optional earl
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import asdict
-from typing import NamedTuple
+from dataclasses import asdict, replace
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
+from transformers import set_seed
 
 from rlhf import algos, checkpoint
-from rlhf.config import Config, ConfigError, RoleConfig
-from rlhf.data.batching import EpochPlan, eval_shards, right_pad, token_loss_scale
+from rlhf.actor_critic import Models, build_models, export_models, max_new_tokens
+from rlhf.config import Config, ConfigError
+from rlhf.data.batching import EpochPlan, token_loss_scale
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
-from rlhf.data.toy import gold_check, toy_corpus
+from rlhf.data.ptx import PTXBatches
 from rlhf.ema import EMA
 from rlhf.engine import (
-    BatchShape,
     device_type,
-    ds_config,
-    hybrid_engine_config,
-    initialize,
-    initialize_frozen,
     rank,
     resolve_dtype,
     world_size,
 )
-from rlhf.experience import Experience, make_experience, response_logprobs, response_values
-from rlhf.generation import Rollout, Sampling, decode_responses, generate
-from rlhf.models import (
-    apply_lora,
-    end_of_text_id,
-    export_pretrained,
-    load_causal_lm,
-    load_tokenizer,
-    load_value_model,
+from rlhf.evaluation import PPOEvaluator
+from rlhf.experience import (
+    Experience,
+    Shaping,
+    concat,
+    make_experience,
+    response_logprobs,
+    response_values,
+    rollout_metrics,
+    whiten_advantages,
 )
+from rlhf.generation import Sampling, generate
+from rlhf.models import (
+    end_of_text_id,
+    load_tokenizer,
+    read_stats,
+)
+from rlhf.preflight import hybrid_engine_problem
 from rlhf.steps.common import (
     NonFiniteGuard,
     RunInfo,
@@ -54,38 +56,24 @@ from rlhf.steps.common import (
     TrainingStopped,
     TrainState,
     all_reduce_sum,
-    checkable_rows,
     checkpoint_due,
     eval_due,
     inject_faults,
     max_over_ranks,
     model_device,
-    rows_at,
 )
-from rlhf.steps.reward import read_stats
 from rlhf.tracking import Tracker, peak_memory_gb
 
 log = logging.getLogger(__name__)
-
-
-class Models(NamedTuple):
-    actor: object  # DeepSpeed engine around the causal LM (PEFT-wrapped with LoRA)
-    reference: object  # frozen copy of the SFT model
-    critic: object  # DeepSpeed engine around a ValueModel, initialised from the reward model
-    reward: object  # frozen reward model (a ValueModel)
-    actor_config: object
-    critic_config: object
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     started = time.perf_counter()
     ppo = cfg.ppo
     device = device_type(cfg.device)
-    if cfg.actor.hybrid_engine and device != "cuda":
-        raise ConfigError(
-            "actor.hybrid_engine=true: DeepSpeed's hybrid engine runs on GPUs "
-            "only; set actor.hybrid_engine=false on CPU"
-        )
+    problem = hybrid_engine_problem("ppo", cfg.actor.hybrid_engine, device)
+    if problem:
+        raise ConfigError(problem)
     dtype = resolve_dtype(cfg.actor.model.dtype, device)
     set_seed(cfg.seed)
 
@@ -99,8 +87,11 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "tokens with it"
         )
     eot = end_of_text_id(cfg.actor.model, tokenizer)
-    prompts = phase_dataset(cfg.data, "ppo", "train", tokenizer, eot).with_format("python")
-    eval_rows = phase_dataset(cfg.data, "ppo", "eval", tokenizer, eot).with_format("python")
+    data = cfg.data
+    if ppo.prompt_sources:  # DeepSpeed-Chat's recipe trains SFT on four sets, PPO on one
+        data = replace(data, sources={k: data.sources[k] for k in ppo.prompt_sources})
+    prompts = phase_dataset(data, "ppo", "train", tokenizer, eot).with_format("python")
+    eval_rows = phase_dataset(data, "ppo", "eval", tokenizer, eot).with_format("python")
     plan = EpochPlan(
         len(prompts),
         ppo.per_device_generation_batch_size,
@@ -156,7 +147,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first
     state = TrainState()
     engines = {"actor": models.actor, "critic": models.critic}
-    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
     trainer = checkpoint.load(resume_from, engines) if resume_from else None
     evaluate = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
     if trainer is not None:
@@ -221,6 +212,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     try:
         while state.global_step < total_iterations:
             iteration_started = time.perf_counter()
+            shaping = Shaping(
+                kl_controller.value,
+                ppo.kl_estimator,
+                ppo.clip_reward_value,
+                ppo.gamma,
+                ppo.lam,
+                ppo.min_response_tokens,
+                score_position,
+                reward_stats,
+                1.0 if ppo.greedy else ppo.temperature,
+            )
             experiences = [
                 collect(
                     models,
@@ -229,9 +231,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                     tokenizer,
                     eot,
                     sampling,
-                    kl_controller.value,
-                    score_position,
-                    reward_stats,
+                    shaping,
                     gen_speed,
                 )
                 for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
@@ -309,13 +309,10 @@ def collect(
     tokenizer,
     eot: int,
     sampling: Sampling,
-    kl_coef: float,
-    score_position: str,
-    reward_stats,
+    shaping: Shaping,
     speed: Throughput,
 ) -> Experience:
     """Generate answers for one batch of prompts and score them into an Experience."""
-    ppo = cfg.ppo
     speed.start()
     rollout = generate(
         models.actor.module,
@@ -332,73 +329,9 @@ def collect(
         models.reference,
         models.critic,
         models.reward,
-        kl_coef=kl_coef,
-        kl_estimator=ppo.kl_estimator,
-        clip_reward_value=ppo.clip_reward_value,
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-        min_response_tokens=ppo.min_response_tokens,
-        score_position=score_position,
-        reward_stats=reward_stats,
-        device=model_device(models.actor),
+        shaping,
+        model_device(models.actor),
     )
-
-
-def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
-    """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
-    their twin's ZeRO stage (or offloaded)."""
-    ppo = cfg.ppo
-    shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
-
-    def trained(role: RoleConfig, load, modules_to_save=None):
-        conf = ds_config(role.zero, role.optim, shape, dtype)
-        if role.hybrid_engine:
-            conf["hybrid_engine"] = hybrid_engine_config(
-                cfg.data.max_prompt_len + max_new_tokens(cfg)
-            )
-        model = load(conf if role.zero.stage == 3 else None)
-        return conf, model
-
-    actor_conf, actor = trained(
-        cfg.actor,
-        lambda ds: load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds),
-    )
-    actor_config = actor.config
-    actor = apply_lora(actor, cfg.actor.lora)
-    actor = initialize(
-        actor, actor_conf, cfg.actor.optim, cfg.actor.lora, cfg.actor.zero.offload, updates
-    )
-
-    critic_conf, critic = trained(
-        cfg.critic,
-        lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
-    )
-    critic_config = critic.hf.config
-    critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
-    critic = initialize(
-        critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
-    )
-
-    reference = initialize_frozen(
-        load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype),
-        cfg.actor.zero.stage,
-        cfg.actor.offload_twin,
-        dtype,
-        shape.micro_batch_size,
-    )
-    reward = initialize_frozen(
-        load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype),
-        cfg.critic.zero.stage,
-        cfg.critic.offload_twin,
-        dtype,
-        shape.micro_batch_size,
-    )
-    return Models(actor, reference, critic, reward, actor_config, critic_config)
-
-
-def max_new_tokens(cfg: Config) -> int:
-    """ppo.max_new_tokens, or (0) what data.max_seq_len leaves after data.max_prompt_len."""
-    return cfg.ppo.max_new_tokens or cfg.data.max_seq_len - cfg.data.max_prompt_len
 
 
 def _steps_per_rollout(ppo) -> int:
@@ -418,7 +351,7 @@ def ppo_update(
     optimizer step is normalised by the response tokens of the whole global step. Stops early
     when the epoch's approx-KL exceeds ``ppo.target_kl``."""
     ppo = cfg.ppo
-    rollout = _concat(experiences)
+    rollout = concat(experiences)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
     totals: dict[str, float] = {}
     epochs_run = 0
@@ -492,6 +425,7 @@ def train_step(
             exp.attention_mask,
             start,
             cfg.actor.optim.compute_fp32_loss,
+            1.0 if ppo.greedy else ppo.temperature,
         )
         actor_loss, stats = algos.policy_loss(
             logprobs,
@@ -535,262 +469,3 @@ def train_step(
         targets=global_targets, tokens=global_tokens, steps=1.0, ratio_max=max_over_ranks(ratio_max)
     )
     return result
-
-
-def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
-    """Advantages to zero mean, unit variance over every real response token of all ranks."""
-    total = count = squares = 0.0
-    for e in experiences:
-        a = e.advantages[e.response_mask]
-        total, count, squares = (
-            total + a.sum().item(),
-            count + a.numel(),
-            squares + (a**2).sum().item(),
-        )
-    total, count, squares = all_reduce_sum(total, count, squares)
-    mean = total / max(count, 1.0)
-    std = math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0)) + 1e-8
-    return [
-        e._replace(advantages=torch.where(e.response_mask, (e.advantages - mean) / std, 0.0))
-        for e in experiences
-    ]
-
-
-def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
-    """Reward, KL to the reference (summed over each answer), answer length, masked answers;
-    means over the rows of all ranks that were not masked for being too short."""
-    sums = torch.zeros(6, dtype=torch.float64)
-    for e in experiences:
-        keep = ~e.short
-        sums += torch.tensor(
-            [
-                float(keep.sum()),
-                e.scores[keep].sum().item(),
-                algos.masked_sum(e.kl, e.response_mask).item(),
-                e.response_mask.sum().item(),
-                float(e.short.sum()),
-                algos.masked_sum(e.advantages, e.response_mask).item(),
-            ],
-            dtype=torch.float64,
-        )
-    rows, reward, kl, length, short, advantages = all_reduce_sum(*sums.tolist())
-    rows = max(rows, 1.0)
-    return {
-        "ppo/reward": reward / rows,
-        "ppo/kl": kl / rows,
-        "ppo/response_length": length / rows,
-        "ppo/short_answers": short,
-        "ppo/advantage_mean": advantages / max(length, 1.0),
-    }
-
-
-def _concat(experiences: list[Experience]) -> Experience:
-    """Stack generation batches (their widths may differ: pad on the right with masked zeros)."""
-    if len(experiences) == 1:
-        return experiences[0]
-    prompt_width = max(e.prompt_width for e in experiences)
-    response_width = max(e.response_mask.shape[1] for e in experiences)
-    return Experience(
-        *[
-            torch.cat([_pad(e, field, prompt_width, response_width) for e in experiences])
-            if field != "prompt_width"
-            else prompt_width
-            for field in Experience._fields
-        ]
-    )
-
-
-def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> torch.Tensor:
-    value = getattr(e, field)
-    if field in ("scores", "short"):
-        return value
-    if field in ("sequences", "attention_mask"):  # left-pad prompts, right-pad responses
-        left = prompt_width - e.prompt_width
-        right = response_width - e.response_mask.shape[1]
-        return torch.nn.functional.pad(value, (left, right), value=0)  # masked either way
-    return torch.nn.functional.pad(value, (0, response_width - value.shape[1]), value=0)
-
-
-class PTXBatches:
-    """Unsupervised language modelling text for the PTX loss (the toy task's statements on the
-    embedded default), cycled in per_device_training_batch_size chunks."""
-
-    def __init__(self, cfg: Config, tokenizer, eot: int):
-        texts = (
-            toy_corpus(cfg.ppo.unsup_rows, cfg.data.seed)
-            if cfg.ppo.unsup_source == "toy"
-            else _read_texts(cfg.ppo.unsup_source, cfg.ppo.unsup_rows)
-        )
-        ids = tokenizer(texts, truncation=True, max_length=cfg.data.max_seq_len - 1)["input_ids"]
-        self.rows = [[*row, eot] for row in ids]
-        self.size = cfg.ppo.per_device_training_batch_size
-        self.pad_id = tokenizer.pad_token_id
-        self.position = rank() * self.size
-
-    def loss(self, actor) -> torch.Tensor:
-        rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.size)]
-        self.position += self.size * world_size()
-        input_ids, attention_mask = right_pad(rows, self.pad_id)
-        device = model_device(actor)
-        logits = actor(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            use_cache=False,
-        ).logits
-        labels = torch.where(attention_mask.bool(), input_ids, -100).to(device)
-        return algos.causal_lm_nll_sum(logits, labels) / max(int((labels[:, 1:] != -100).sum()), 1)
-
-
-def _read_texts(path: str, limit: int) -> list[str]:
-    import json
-
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    if path.endswith(".jsonl"):
-        lines = [json.loads(line)["text"] for line in lines]
-    return lines[:limit]
-
-
-class PPOEvaluator:
-    """Greedy (or sampled) answers to held-out prompts: eval/reward, eval/kl to the reference,
-    eval/response_length and, on checkable data, eval/gold_accuracy. Warns when the reward
-    rises while gold accuracy falls or the answer length drifts: reward hacking."""
-
-    def __init__(
-        self, cfg: Config, tokenizer, eval_rows, eot: int, score_position: str, reward_stats
-    ):
-        self.cfg, self.tokenizer, self.eot = cfg, tokenizer, eot
-        self.score_position, self.reward_stats = score_position, reward_stats
-        gold = checkable_rows(eval_rows, cfg.ppo.eval_prompts)
-        count = min(cfg.ppo.eval_prompts, len(eval_rows))
-        self.rows = gold or rows_at(eval_rows, list(range(count)))
-        self.checkable = bool(gold)
-        self.sampling = Sampling(
-            max_new_tokens(cfg),
-            greedy=cfg.ppo.eval_greedy,
-            temperature=cfg.ppo.temperature,
-            top_p=cfg.ppo.top_p,
-            top_k=cfg.ppo.top_k,
-        )
-        self.samples: list[list] = []
-        self.first: dict[str, float] | None = None
-        self.warnings = 0
-
-    @torch.no_grad()
-    def __call__(self, models: Models) -> dict[str, float]:
-        sums = torch.zeros(5, dtype=torch.float64)  # rows, reward, kl, length, gold
-        synced = self.cfg.actor.zero.stage == 3 and world_size() > 1
-        for indices, valid in eval_shards(len(self.rows), 64, world_size(), rank()):
-            rows = [self.rows[i] for i in indices]
-            rollout = generate(
-                models.actor.module,
-                [r["prompt_ids"] for r in rows],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                self.sampling,
-                synced,
-            )
-            reward, kl = self._score(models, rollout)
-            answers = decode_responses(self.tokenizer, rollout)
-            gold = [float(gold_check(r["prompt"], a)) for r, a in zip(rows, answers)]
-            keep = torch.tensor(valid, dtype=torch.float64)
-            sums += torch.stack(
-                [
-                    keep.sum(),
-                    (reward * keep).sum(),
-                    (kl * keep).sum(),
-                    (rollout.response_mask.sum(1) * keep).sum(),
-                    (torch.tensor(gold, dtype=torch.float64) * keep).sum(),
-                ]
-            )
-            self.samples = [
-                [r["prompt"], a, float(s), bool(g)]
-                for r, a, s, g in zip(rows[:4], answers[:4], reward[:4], gold[:4])
-            ]
-        rows, reward, kl, length, gold = all_reduce_sum(*sums.tolist())
-        metrics = {
-            "eval/reward": reward / rows,
-            "eval/kl": kl / rows,
-            "eval/response_length": length / rows,
-        }
-        if self.checkable:
-            metrics["eval/gold_accuracy"] = gold / rows
-        self._watch(metrics)
-        return metrics
-
-    def _score(self, models: Models, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        device = model_device(models.actor)
-        sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
-        start = rollout.prompt_width - 1
-        logprobs, _ = response_logprobs(models.actor, sequences, mask, start)
-        ref_logprobs, _ = response_logprobs(models.reference, sequences, mask, start)
-        response_mask = rollout.response_mask.to(device)
-        kl = algos.masked_sum(logprobs.float() - ref_logprobs.float(), response_mask, dim=1)
-        full_response = torch.zeros_like(mask, dtype=torch.bool)
-        full_response[:, rollout.prompt_width :] = response_mask
-        scores = algos.sequence_scores(
-            models.reward(sequences, mask), mask, full_response, self.score_position
-        ).float()
-        if self.reward_stats is not None:
-            scores = (scores - self.reward_stats[0]) / max(self.reward_stats[1], 1e-6)
-        return scores.double().cpu(), kl.double().cpu()
-
-    def _watch(self, metrics: dict[str, float]) -> None:
-        if self.first is None:
-            self.first = metrics
-            return
-        rising = metrics["eval/reward"] > self.first["eval/reward"]
-        gold_falls = (
-            "eval/gold_accuracy" in metrics
-            and metrics["eval/gold_accuracy"] < self.first["eval/gold_accuracy"] - 0.05
-        )
-        length_ratio = metrics["eval/response_length"] / max(
-            self.first["eval/response_length"], 1e-6
-        )
-        if rising and (gold_falls or not 0.5 <= length_ratio <= 2.0):
-            self.warnings += 1
-            log.warning(
-                "possible reward hacking: eval/reward %.3f -> %.3f while %s",
-                self.first["eval/reward"],
-                metrics["eval/reward"],
-                "gold accuracy fell"
-                if gold_falls
-                else f"answer length changed x{length_ratio:.2f}",
-            )
-
-
-def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info: RunInfo) -> None:
-    """actor/ (LoRA merged) and critic/ in save_pretrained format; actor_ema/ with ppo.ema."""
-
-    def actor_copy():
-        copy = AutoModelForCausalLM.from_config(
-            models.actor_config, dtype=models.actor_config.dtype
-        )
-        return apply_lora(copy, cfg.actor.lora)
-
-    def critic_copy():
-        config = models.critic_config
-        copy = AutoModelForSequenceClassification.from_config(config, dtype=config.dtype)
-        return apply_lora(copy, cfg.critic.lora, modules_to_save=["score"])
-
-    export_pretrained(
-        models.actor.module, cfg.actor.zero.stage, actor_copy, tokenizer, info.run_dir / "actor"
-    )
-    stats = read_stats(cfg.critic.model.path)
-    export_pretrained(
-        models.critic.module.hf,
-        cfg.critic.zero.stage,
-        critic_copy,
-        tokenizer,
-        info.run_dir / "critic",
-        extra_files={"reward_stats.json": stats} if stats else None,
-    )
-    if ema is not None:
-        export_pretrained(
-            models.actor.module,
-            cfg.actor.zero.stage,
-            actor_copy,
-            tokenizer,
-            info.run_dir / "actor_ema",
-            state=ema.state_dict() or {},
-        )

@@ -12,17 +12,15 @@ import logging
 import math
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
+from transformers import AutoModelForSequenceClassification, set_seed
 
 from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import EpochPlan, eval_shards, pair_batch, ranked_batch, row_lengths
-from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
-from rlhf.data.toy import gold_check
+from rlhf.data.batching import EpochPlan, pair_batch, ranked_batch, row_lengths
+from rlhf.data.pipeline import phase_dataset
 from rlhf.engine import (
     BatchShape,
     device_type,
@@ -32,8 +30,9 @@ from rlhf.engine import (
     resolve_dtype,
     world_size,
 )
-from rlhf.generation import Sampling, decode_responses, generate
+from rlhf.evaluation import PairEvaluator, gold_correlation
 from rlhf.models import (
+    STATS_FILE,
     apply_lora,
     end_of_text_id,
     export_pretrained,
@@ -49,7 +48,6 @@ from rlhf.steps.common import (
     TrainingStopped,
     TrainState,
     all_reduce_sum,
-    checkable_rows,
     checkpoint_due,
     eval_due,
     inject_faults,
@@ -60,8 +58,6 @@ from rlhf.steps.common import (
 from rlhf.tracking import Tracker, peak_memory_gb
 
 log = logging.getLogger(__name__)
-
-STATS_FILE = "reward_stats.json"
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
@@ -125,7 +121,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the untrained head first
     state, window = TrainState(), {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
     trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
     if trainer is not None:
         state, window = TrainState(**trainer["state"]), trainer["window"]
@@ -193,7 +189,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             bar.update()
 
             if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
-                steps = max(window["steps"], 1)
+                steps = window["steps"] or math.nan  # every step skipped: no loss to report
                 metrics = {
                     "train/loss": window["loss"] / steps,
                     "train/accuracy": window["accuracy"] / steps,
@@ -321,117 +317,3 @@ def train_step(
         tokens += batch["attention_mask"].sum().item()
     loss_sum, correct, pairs, tokens = all_reduce_sum(loss_sum, correct, pairs, tokens)
     return loss_sum / (len(micro_rows) * world_size()), correct / pairs, int(tokens)
-
-
-class PairEvaluator:
-    """eval/accuracy (chosen scored above rejected), the mean scores, their margin and spread."""
-
-    def __init__(self, cfg: Config, tokenizer, eval_rows):
-        self.cfg, self.tokenizer, self.rows = cfg, tokenizer, eval_rows
-
-    @torch.no_grad()
-    def __call__(self, engine) -> dict[str, float]:
-        engine.eval()
-        device = model_device(engine)
-        sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, chosen, rejected, s, s^2
-        for indices, valid in eval_shards(
-            len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
-        ):
-            batch = pair_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id)
-            values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            scores = (
-                algos.sequence_scores(
-                    values,
-                    batch["attention_mask"].to(device),
-                    batch["response_mask"].to(device),
-                    self.cfg.reward.score_position,
-                )
-                .double()
-                .cpu()
-            )
-            chosen, rejected = scores.chunk(2)
-            keep = torch.tensor(valid)
-            chosen, rejected = chosen[keep], rejected[keep]
-            both = torch.cat([chosen, rejected])
-            sums += torch.stack(
-                [
-                    torch.tensor(float(keep.sum())),
-                    (chosen > rejected).sum(),
-                    chosen.sum(),
-                    rejected.sum(),
-                    both.sum(),
-                    (both**2).sum(),
-                ]
-            )
-        pairs, correct, chosen, rejected, total, squares = all_reduce_sum(*sums.tolist())
-        mean = total / (2 * pairs)
-        engine.train()
-        return {
-            "eval/accuracy": correct / pairs,
-            "eval/chosen_score": chosen / pairs,
-            "eval/rejected_score": rejected / pairs,
-            "eval/margin": (chosen - rejected) / pairs,
-            "eval/score_mean": mean,
-            "eval/score_std": math.sqrt(max(squares / (2 * pairs) - mean**2, 0.0)),
-        }
-
-
-@torch.no_grad()
-def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dict[str, float]:
-    """Sample answers from ``reward.gold_policy`` (the SFT model) on held-out prompts with a
-    checkable answer, score them, and report the correlation of score with gold correctness:
-    does the learned reward agree with the checker on the answers PPO will start from?"""
-    policy_path = cfg.reward.gold_policy
-    policy_tokenizer = load_tokenizer(cfg.model, policy_path)
-    if tokenizer_fingerprint(policy_tokenizer) != tokenizer_fingerprint(tokenizer):
-        raise ConfigError(
-            f"reward.gold_policy={policy_path}: its tokenizer differs from the reward model's"
-        )
-    policy = AutoModelForCausalLM.from_pretrained(policy_path).to(model_device(engine))
-    rows = checkable_rows(eval_rows, cfg.reward.gold_eval_prompts)
-    sampling = Sampling(max_new_tokens=cfg.reward.gen_max_new_tokens)
-    engine.eval()
-    scores, gold = [], []
-    for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
-        batch_rows = [rows[i] for i in indices]
-        rollout = generate(
-            policy,
-            [r["prompt_ids"] for r in batch_rows],
-            tokenizer.pad_token_id,
-            eot,
-            sampling,
-            synced_gpus=False,
-        )
-        device = model_device(engine)
-        values = engine(rollout.sequences.to(device), rollout.attention_mask.to(device))
-        full_response = torch.zeros_like(rollout.attention_mask, dtype=torch.bool)
-        full_response[:, rollout.prompt_width :] = rollout.response_mask
-        batch_scores = algos.sequence_scores(
-            values,
-            rollout.attention_mask.to(device),
-            full_response.to(device),
-            cfg.reward.score_position,
-        )
-        answers = decode_responses(tokenizer, rollout)
-        for row, answer, score, ok in zip(batch_rows, answers, batch_scores.tolist(), valid):
-            if ok:
-                scores.append(score)
-                gold.append(float(gold_check(row["prompt"], answer)))
-    engine.train()
-    gathered = [None] * world_size()
-    if world_size() > 1:
-        torch.distributed.all_gather_object(gathered, (scores, gold))
-    else:
-        gathered = [(scores, gold)]
-    scores = torch.tensor([s for part in gathered for s in part[0]], dtype=torch.float64)
-    gold = torch.tensor([g for part in gathered for g in part[1]], dtype=torch.float64)
-    corr = torch.corrcoef(torch.stack([scores, gold]))[0, 1].item() if gold.std() > 0 else math.nan
-    return {"eval/gold_score_corr": corr, "eval/gold_policy_accuracy": gold.mean().item()}
-
-
-def read_stats(model_dir: str | Path) -> dict | None:
-    """The score statistics a reward export carries (None for other models)."""
-    import json
-
-    path = Path(model_dir) / STATS_FILE
-    return json.loads(path.read_text()) if path.exists() else None

@@ -20,16 +20,15 @@ from rlhf import checkpoint
 from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import (
-    IGNORE_INDEX,
     EpochPlan,
     count_targets,
-    eval_shards,
+    model_inputs,
+    packed_sft_batches,
     row_lengths,
     sft_batch,
     token_loss_scale,
 )
 from rlhf.data.pipeline import phase_dataset
-from rlhf.data.toy import gold_check
 from rlhf.engine import (
     BatchShape,
     device_type,
@@ -39,7 +38,7 @@ from rlhf.engine import (
     resolve_dtype,
     world_size,
 )
-from rlhf.generation import Sampling, decode_responses, generate
+from rlhf.evaluation import SFTEvaluator
 from rlhf.models import (
     apply_lora,
     end_of_text_id,
@@ -56,12 +55,10 @@ from rlhf.steps.common import (
     TrainingStopped,
     TrainState,
     all_reduce_sum,
-    checkable_rows,
     checkpoint_due,
     eval_due,
     inject_faults,
     max_over_ranks,
-    model_device,
     rows_at,
 )
 from rlhf.tracking import Tracker, peak_memory_gb
@@ -92,6 +89,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         lengths,
     )
     pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
+
+    def make_batches(micro_rows: list[list[dict]]) -> list[dict[str, torch.Tensor]]:
+        pad_id, on_prompt = tokenizer.pad_token_id, cfg.sft.loss_on_prompt
+        if cfg.sft.packing:  # the step's rows packed together
+            return packed_sft_batches(micro_rows, pad_id, on_prompt, cfg.data.max_seq_len, pad_to)
+        return [sft_batch(rows, pad_id, on_prompt, pad_to) for rows in micro_rows]
+
     if plan.steps_per_epoch == 0:
         raise ConfigError(
             f"data: the SFT phase has {len(train_rows)} training rows, fewer than one global "
@@ -120,7 +124,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the untrained model first
     state, window = TrainState(), {"nll": 0.0, "targets": 0.0}
-    resume_from = checkpoint.latest(info.run_dir) if cfg.resume == "auto" else None
+    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
     trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
     if trainer is not None:
         state, window = TrainState(**trainer["state"]), trainer["window"]
@@ -134,7 +138,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         enabled=rank() == 0,
         resume=trainer and trainer["tracker"],
     )
-    evaluate = Evaluator(cfg, tokenizer, eval_rows, eot)
+    evaluate = SFTEvaluator(cfg, tokenizer, eval_rows, eot)
 
     def log_eval() -> dict[str, float]:
         metrics = evaluate(engine)
@@ -171,15 +175,12 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
     try:
         while state.global_step < total_steps:
-            micro_batches = [
-                sft_batch(
-                    rows_at(train_rows, indices),
-                    tokenizer.pad_token_id,
-                    cfg.sft.loss_on_prompt,
-                    pad_to,
-                )
-                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-            ]
+            micro_batches = make_batches(
+                [
+                    rows_at(train_rows, indices)
+                    for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+                ]
+            )
             speed.start()
             nll, targets, tokens = train_step(
                 engine, micro_batches, shape, cfg.optim.compute_fp32_loss, guard
@@ -194,7 +195,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
             if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
                 metrics = {
-                    "train/loss": window["nll"] / max(window["targets"], 1.0),
+                    "train/loss": window["nll"] / window["targets"]
+                    if window["targets"]
+                    else math.nan,
                     "train/lr": engine.get_lr()[0],
                     "train/epoch": state.global_step / plan.steps_per_epoch,
                     "train/skipped_steps": guard.skipped,
@@ -254,77 +257,16 @@ def train_step(
     local_tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
     global_targets, global_tokens = all_reduce_sum(local_targets, local_tokens)
     scale = token_loss_scale(global_targets, shape.world_size, shape.grad_accum)
-    device = model_device(engine)
+    param = next(engine.module.parameters())
     local_nll = 0.0
     for batch in micro_batches:
-        logits = engine(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            use_cache=False,
-        ).logits
-        nll = causal_lm_nll_sum(logits.float() if fp32_loss else logits, batch["labels"].to(device))
+        logits = engine(**model_inputs(batch, param.device, param.dtype), use_cache=False).logits
+        nll = causal_lm_nll_sum(
+            logits.float() if fp32_loss else logits, batch["labels"].to(param.device)
+        )
         if guard.finite(nll):
             engine.backward(nll * scale)
         engine.step()  # every micro batch, so DeepSpeed's accumulation boundaries stay aligned
         local_nll += nll.item()
     (global_nll,) = all_reduce_sum(local_nll)
     return global_nll, global_targets, int(global_tokens)
-
-
-class Evaluator:
-    """eval/loss and eval/ppl per answer token (whatever sft.loss_on_prompt), and, where the
-    prompts have a checkable answer, eval/gold_accuracy of greedy answers."""
-
-    def __init__(self, cfg: Config, tokenizer, eval_rows, eot: int):
-        self.cfg, self.tokenizer, self.rows, self.eot = cfg, tokenizer, eval_rows, eot
-        self.gold_rows = checkable_rows(eval_rows, cfg.sft.gold_eval_prompts)
-        self.sampling = Sampling(max_new_tokens=cfg.sft.gen_max_new_tokens, greedy=True)
-        self.samples: list[list[str]] = []
-
-    @torch.no_grad()
-    def __call__(self, engine) -> dict[str, float]:
-        engine.eval()
-        metrics = self.loss(engine)
-        if self.gold_rows:
-            metrics["eval/gold_accuracy"] = self.gold_accuracy(engine)
-        engine.train()
-        return metrics
-
-    def loss(self, engine) -> dict[str, float]:
-        device = model_device(engine)
-        nll = targets = 0.0
-        shards = eval_shards(
-            len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
-        )
-        for indices, valid in shards:
-            batch = sft_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id, False)
-            batch["labels"][~torch.tensor(valid)] = IGNORE_INDEX
-            logits = engine(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-                use_cache=False,
-            ).logits
-            nll += causal_lm_nll_sum(logits.float(), batch["labels"].to(device)).item()
-            targets += count_targets(batch["labels"])
-        nll, targets = all_reduce_sum(nll, targets)
-        loss = nll / max(targets, 1)
-        return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
-
-    def gold_accuracy(self, engine) -> float:
-        correct = 0
-        for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
-            rows = [self.gold_rows[i] for i in indices]
-            rollout = generate(
-                engine.module,
-                [r["prompt_ids"] for r in rows],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                self.sampling,
-                synced_gpus=self.cfg.zero.stage == 3 and world_size() > 1,
-            )
-            answers = decode_responses(self.tokenizer, rollout)
-            for row, answer, ok in zip(rows, answers, valid):
-                correct += ok and gold_check(row["prompt"], answer)
-            self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
-        (correct,) = all_reduce_sum(correct)
-        return correct / len(self.gold_rows)

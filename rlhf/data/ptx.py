@@ -1,0 +1,53 @@
+"""Text for PPO's PTX loss: language modelling on unsupervised text mixed into the actor's
+update (DeepSpeed-Chat's unsup_coef), so RLHF does not erode what pretraining taught."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from rlhf import algos
+from rlhf.config import Config
+from rlhf.data.batching import right_pad
+from rlhf.data.toy import toy_corpus
+from rlhf.engine import rank, world_size
+from rlhf.steps.common import model_device
+
+
+class PTXBatches:
+    """Unsupervised language modelling text for the PTX loss (the toy task's statements on the
+    embedded default), cycled in per_device_training_batch_size chunks."""
+
+    def __init__(self, cfg: Config, tokenizer, eot: int):
+        texts = (
+            toy_corpus(cfg.ppo.unsup_rows, cfg.data.seed)
+            if cfg.ppo.unsup_source == "toy"
+            else _read_texts(cfg.ppo.unsup_source, cfg.ppo.unsup_rows)
+        )
+        ids = tokenizer(texts, truncation=True, max_length=cfg.data.max_seq_len - 1)["input_ids"]
+        self.rows = [[*row, eot] for row in ids]
+        self.size = cfg.ppo.per_device_training_batch_size
+        self.pad_id = tokenizer.pad_token_id
+        self.position = rank() * self.size
+
+    def loss(self, actor) -> torch.Tensor:
+        rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.size)]
+        self.position += self.size * world_size()
+        input_ids, attention_mask = right_pad(rows, self.pad_id)
+        device = model_device(actor)
+        logits = actor(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            use_cache=False,
+        ).logits
+        labels = torch.where(attention_mask.bool(), input_ids, -100).to(device)
+        return algos.causal_lm_nll_sum(logits, labels) / max(int((labels[:, 1:] != -100).sum()), 1)
+
+
+def _read_texts(path: str, limit: int) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if path.endswith(".jsonl"):
+        lines = [json.loads(line)["text"] for line in lines]
+    return lines[:limit]

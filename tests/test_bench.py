@@ -1,0 +1,200 @@
+"""``python -m rlhf.bench``: its workload, its arithmetic (rates without warm-up, model FLOPs,
+ratios, targets) and, marked slow, one tiny end-to-end run. No timing is asserted."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer, OPTConfig
+
+from rlhf import bench
+from rlhf.assets import TINY_TOKENIZER_DIR
+from rlhf.data.batching import EpochPlan
+from tests.conftest import REPO
+
+
+def test_size_builds_opt_init_overrides():
+    size = bench.Size.parse("256x5")
+    assert size == bench.Size(256, 5)
+    overrides = dict(o.split("=", 1) for o in size.overrides("actor.model", 256))
+    assert overrides["actor.model.path"] == "null"
+    assert overrides["actor.model.init.hidden_size"] == "256"
+    assert overrides["actor.model.init.num_hidden_layers"] == "5"
+    assert overrides["actor.model.init.ffn_dim"] == "1024"
+    assert overrides["actor.model.init.max_position_embeddings"] == "256"
+    assert int(overrides["actor.model.init.num_attention_heads"]) == 4
+
+
+def test_synthetic_rows_have_the_promised_token_lengths(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    bench.synthetic_rows(path, 200, max_prompt=16, max_answer=12, seed=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # with BOS
+    answers = [
+        len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) + 1  # + end-of-text
+        for r in rows
+        for k in ("chosen", "rejected")
+    ]
+    assert len(rows) == 200
+    assert min(prompts) == 2 and max(prompts) == 16
+    assert min(answers) == 2 and max(answers) == 12
+
+
+def cumulative_rows(step_seconds, step_tokens, samples_per_step=8):
+    """metrics.jsonl rows as the trainer writes them: cumulative rates after each step."""
+    rows, seconds, tokens = [], 0.0, 0
+    for step, (dt, n) in enumerate(zip(step_seconds, step_tokens), start=1):
+        seconds, tokens = seconds + dt, tokens + n
+        rows.append(
+            {
+                "step": step,
+                "perf/samples_per_s": step * samples_per_step / seconds,
+                "perf/tokens_per_s": tokens / seconds,
+            }
+        )
+    return rows
+
+
+def test_steady_rates_leave_out_the_first_step():
+    rows = cumulative_rows([9.0, 2.0, 2.0, 2.0], [100, 300, 500, 700])
+    rates = bench.steady_rates(rows)
+    assert rates["bench/samples_per_s"] == pytest.approx(8 / 2.0)
+    assert rates["bench/tokens_per_s"] == pytest.approx(1500 / 6.0)
+    assert bench.steady_rates(rows[:1]) == {}
+
+
+def test_steady_rates_of_ppo_are_the_median_iteration_after_the_first():
+    rows = [
+        {"step": i, "perf/s_per_iter": s, "perf/samples_per_s": 1.0}
+        for i, s in enumerate([9, 3, 5, 4])
+    ]
+    assert bench.steady_rates(rows) == {"bench/s_per_iter": 4}
+
+
+def opt_config(hidden=64, layers=3, vocab=1280, ffn=256) -> OPTConfig:
+    return OPTConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        word_embed_proj_dim=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        ffn_dim=ffn,
+        max_position_embeddings=256,
+    )
+
+
+def test_matmul_params_count_every_linear_and_the_head_once():
+    config = opt_config()
+    per_layer = 4 * 64 * 64 + 2 * 64 * 256  # q, k, v, out; fc1, fc2
+    assert bench.matmul_params(config, scorer=False) == 3 * per_layer + 1280 * 64
+    config.num_labels = 1
+    assert bench.matmul_params(config, scorer=True) == 3 * per_layer + 64  # the score head
+
+
+def test_train_flops_are_6n_plus_causal_attention():
+    config, lengths = opt_config(), [10, 30]
+    n = bench.matmul_params(config, scorer=False)
+    attention = 6 * 3 * 64 * (10**2 + 30**2)  # per row: 6 L d n^2
+    expected = (6 * n * 40 + attention) / 40
+    assert bench.train_flops_per_token(config, lengths) == pytest.approx(expected)
+
+
+def results(fast, baseline, trl=None, key="samples_per_s", mem=(1.0, 1.0)):
+    out = {
+        "fast": [{key: v, "tokens_per_s": 100 * v, "peak_mem_gb": mem[0]} for v in fast],
+        "baseline": [{key: v, "tokens_per_s": 100 * v, "peak_mem_gb": mem[1]} for v in baseline],
+    }
+    if trl:
+        out["trl"] = [{key: v, "tokens_per_s": 100 * v, "peak_mem_gb": 1.0} for v in trl]
+    return out
+
+
+def test_summary_takes_medians_ratios_mfu_and_checks_the_targets():
+    runs = {
+        "sft": results([10, 30, 11], [5, 4, 6], trl=[9, 8, 7]),
+        "reward": results([6, 6, 6], [4, 4, 4], mem=(1.1, 1.0)),
+        "ppo": results([2.0, 2.2, 9.0], [3.6, 3.5, 3.4], key="s_per_iter"),
+        "mfu": {"fast": [{"samples_per_s": 1.0, "tokens_per_s": 50.0, "peak_mem_gb": 2.0}]},
+    }
+    report = bench.summarize(runs, {"sft": 1e6, "reward": 1e6, "ppo": None, "mfu": 2e7}, 2e9)
+    table, ratios = report["table"], report["ratios"]
+    assert table["sft"]["fast"]["samples_per_s"] == 11  # the median, not the mean
+    assert ratios["sft: samples/s vs baseline"] == pytest.approx(11 / 5)
+    assert ratios["sft: samples/s vs TRL"] == pytest.approx(11 / 8)
+    assert ratios["reward: samples/s vs baseline"] == pytest.approx(1.5)
+    assert ratios["ppo: s/iter vs baseline"] == pytest.approx(3.5 / 2.2)
+    assert table["sft"]["fast"]["mfu"] == pytest.approx(1100 * 1e6 / 2e9)
+    assert table["mfu"]["fast"]["mfu"] == pytest.approx(50 * 2e7 / 2e9)
+    assert "mfu" not in table["ppo"]["fast"]
+    verdict = {t["target"]: t["ok"] for t in report["targets"]}
+    assert verdict["sft: samples/s vs baseline >= 2.0x"] is True
+    assert verdict["sft: samples/s vs TRL >= 1.2x"] is True
+    assert verdict["reward: samples/s vs baseline >= 2.0x"] is False
+    assert verdict["ppo: s/iter vs baseline >= 1.5x"] is True
+    assert verdict["reward: peak memory vs baseline <= 1.02"] is False
+    assert verdict["mfu: SFT MFU >= 50%"] is True
+    text = bench.format_report(report)
+    assert "[MISS] reward: samples/s vs baseline >= 2.0x: 1.50" in text
+    assert "sft: samples/s vs TRL: 1.38x" in text
+
+
+@pytest.mark.parametrize(("micro", "ranks", "accum"), [(4, 1, 1), (2, 2, 3), (3, 1, 2)])
+def test_trl_reads_each_step_the_rows_the_rlhf_run_read(monkeypatch, micro, ranks, accum):
+    rows = Dataset.from_list([{"prompt_ids": [2, i], "chosen_ids": [i]} for i in range(50)])
+    monkeypatch.setattr(bench, "phase_rows", lambda *_: (rows, None, 7))
+    spec = {"kind": "sft", "run_dir": ".", "model": ".", "micro_batch": micro, "ranks": ranks}
+    spec.update(grad_accum=accum, steps=5)
+    ordered, _ = bench.plan_rows(spec)
+    plan = EpochPlan(50, micro, ranks, accum, seed=7)
+    ids = [r["chosen_ids"][0] for r in ordered]
+    size = plan.global_batch_size
+    for step in range(5):
+        epoch, index = divmod(step, plan.steps_per_epoch)
+        chunk = ids[step * size : (step + 1) * size]
+        # a sequential sampler over ranks: micro step k of rank r is the (k * ranks + r)-th slice
+        for k in range(accum):
+            for r in range(ranks):
+                start = (k * ranks + r) * micro
+                assert chunk[start : start + micro] == plan.micro_batches(epoch, index, r)[k]
+
+
+def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--no-trl"])
+    modes = bench.section_modes("sft", args, "ACTOR", "CRITIC")
+    assert set(modes) == {"fast", "baseline"}
+    assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
+    assert set(modes["baseline"]) - set(modes["fast"]) == set(bench.BASELINE_PADDING)
+    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    assert set(ppo["baseline"]) - set(ppo["fast"]) == {"ppo.stop_at_eos=false"}
+    assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]
+    with_trl = bench.parse_args(["--out", str(tmp_path)])
+    assert ("trl" in bench.section_modes("reward", with_trl, "A", "C")) == bool(bench.trl_version())
+
+
+def test_arguments_thread_count_and_sections(tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--ranks", "2", "--sections", "sft,ppo"])
+    assert args.threads == max(1, bench.CORES // 2)
+    assert args.sections == ["sft", "ppo"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "sft,nope"])
+
+
+@pytest.mark.slow
+def test_a_tiny_bench_runs_end_to_end(tmp_path):
+    cmd = [
+        *(sys.executable, "-m", "rlhf.bench", "--out", str(tmp_path)),
+        *("--sections", "sft,reward,ppo", "--repeats", "1", "--rows", "600"),
+        *("--actor", "64x2", "--critic", "32x1", "--micro-batch", "4", "--grad-accum", "2"),
+        *("--sft-steps", "2", "--reward-steps", "2", "--ppo-iters", "2", "--ppo-batch", "4"),
+        *("--export-steps", "2", "--max-seq-len", "64", "--max-prompt-len", "32"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {"sft: samples/s vs baseline", "ppo: s/iter vs baseline"} <= set(report["ratios"])
+    assert report["table"]["sft"]["fast"]["mfu"] > 0
+    assert ("trl" in report["table"]["sft"]) == bool(bench.trl_version())
+    assert "[ok]" in proc.stdout or "[MISS]" in proc.stdout

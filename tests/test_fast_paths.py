@@ -1,0 +1,326 @@
+"""The fast paths learn what the padded paths learn: dynamic padding, SFT packing and
+early-stopped generation give the same losses, logits and answers (fp32, within 1e-5), and a
+packed row never attends to another row."""
+
+import pytest
+import torch
+from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
+
+from rlhf import algos
+from rlhf.algos import causal_lm_nll_sum
+from rlhf.data.batching import (
+    IGNORE_INDEX,
+    block_causal_mask,
+    count_targets,
+    model_inputs,
+    pack_bins,
+    packed_sft_batch,
+    packed_sft_batches,
+    pair_batch,
+    sft_batch,
+)
+from rlhf.experience import Shaping, make_experience
+from rlhf.generation import Sampling, generate
+from rlhf.models import ValueModel
+
+PAD, VOCAB, MAX_LEN = 1, 96, 48
+CPU = torch.device("cpu")
+
+
+def tiny_config(**extra) -> OPTConfig:
+    return OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        word_embed_proj_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=64,
+        max_position_embeddings=MAX_LEN + 16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=PAD,
+        bos_token_id=2,
+        eos_token_id=2,
+        **extra,
+    )
+
+
+def tiny_lm(seed: int = 0, attn: str = "sdpa") -> OPTForCausalLM:
+    torch.manual_seed(seed)
+    return OPTForCausalLM(tiny_config(attn_implementation=attn)).eval()
+
+
+def tiny_scorer(seed: int = 1) -> ValueModel:
+    torch.manual_seed(seed)
+    return ValueModel(OPTForSequenceClassification(tiny_config(num_labels=1))).eval()
+
+
+def random_rows(n: int, seed: int = 0, max_part: int = 20) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int) -> list[int]:
+        length = int(torch.randint(lo, max_part + 1, (1,), generator=g))
+        return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+    return [
+        {"prompt_ids": [2, *ids(0)], "chosen_ids": ids(1), "rejected_ids": ids(1)} for _ in range(n)
+    ]
+
+
+def mean_loss(model, batch: dict) -> float:
+    logits = model(**model_inputs(batch, CPU, torch.float32)).logits
+    return causal_lm_nll_sum(logits, batch["labels"]).item() / count_targets(batch["labels"])
+
+
+@pytest.mark.parametrize("loss_on_prompt", [False, True])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_dynamic_padding_and_packing_give_the_padded_loss(loss_on_prompt, attn):
+    model, rows = tiny_lm(attn=attn), random_rows(11)
+    padded = sft_batch(rows, PAD, loss_on_prompt, pad_to=MAX_LEN)
+    dynamic = sft_batch(rows, PAD, loss_on_prompt)
+    packed = packed_sft_batch(rows, PAD, loss_on_prompt, capacity=MAX_LEN)
+    assert packed["input_ids"].shape[0] < len(rows)  # packing did pack
+    assert dynamic["input_ids"].shape[1] < MAX_LEN
+    assert count_targets(padded["labels"]) == count_targets(packed["labels"])
+    with torch.no_grad():
+        reference = mean_loss(model, padded)
+        assert mean_loss(model, dynamic) == pytest.approx(reference, abs=1e-5)
+        assert mean_loss(model, packed) == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3, 8])
+def test_a_packed_step_holds_the_same_rows_and_loss_as_its_padded_micro_batches(micro_batches):
+    model, rows = tiny_lm(), random_rows(24, seed=6)
+    micro_rows = [rows[k::micro_batches] for k in range(micro_batches)]
+    padded = [sft_batch(b, PAD, False, pad_to=MAX_LEN) for b in micro_rows]
+    packed = packed_sft_batches(micro_rows, PAD, False, capacity=MAX_LEN)
+    assert len(packed) == micro_batches
+    real = sum(int(b["attention_mask"].sum()) for b in padded)
+    assert sum(int(b["attention_mask"].sum()) for b in packed) == real
+    assert sum(b["input_ids"].shape[0] for b in packed) < len(rows)
+    with torch.no_grad():
+        nll = [
+            sum(
+                causal_lm_nll_sum(model(**model_inputs(b, CPU, torch.float32)).logits, b["labels"])
+                for b in batches
+            )
+            for batches in (padded, packed)
+        ]
+    targets = sum(count_targets(b["labels"]) for b in padded)
+    assert sum(count_targets(b["labels"]) for b in packed) == targets
+    assert nll[1].item() / targets == pytest.approx(nll[0].item() / targets, abs=1e-5)
+
+
+def test_packed_gradients_equal_the_padded_gradients():
+    rows = random_rows(9, seed=3)
+    grads = []
+    for batch in (
+        sft_batch(rows, PAD, False, pad_to=MAX_LEN),
+        packed_sft_batch(rows, PAD, False, 40),
+    ):
+        model = tiny_lm()
+        logits = model(**model_inputs(batch, CPU, torch.float32)).logits
+        causal_lm_nll_sum(logits, batch["labels"]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_logits_of_each_row_equal_its_unpacked_logits():
+    model, rows = tiny_lm(), random_rows(8, seed=1)
+    packed = packed_sft_batch(rows, PAD, False, capacity=MAX_LEN)
+    with torch.no_grad():
+        packed_logits = model(**model_inputs(packed, CPU, torch.float32)).logits
+        for i, row in enumerate(rows):
+            ids = torch.tensor([row["prompt_ids"] + row["chosen_ids"]])
+            alone = model(input_ids=ids).logits[0]
+            k, start = locate(packed, i, rows)
+            torch.testing.assert_close(
+                packed_logits[k, start : start + ids.shape[1]], alone, atol=1e-5, rtol=0
+            )
+
+
+def locate(packed: dict, index: int, rows: list[dict]) -> tuple[int, int]:
+    """(packed sequence, offset) where row ``index`` sits, found from its tokens."""
+    seq = rows[index]["prompt_ids"] + rows[index]["chosen_ids"]
+    ids = packed["input_ids"]
+    for k in range(ids.shape[0]):
+        starts = (packed["position_ids"][k] == 0) & (packed["segment_ids"][k] >= 0)
+        for start in starts.nonzero().flatten().tolist():
+            if ids[k, start : start + len(seq)].tolist() == seq:
+                return k, start
+    raise AssertionError(f"row {index} is not in the packed batch")
+
+
+def test_a_token_never_sees_another_packed_row():
+    model, rows = tiny_lm(), random_rows(8, seed=2, max_part=10)
+    packed = packed_sft_batch(rows, PAD, False, capacity=MAX_LEN)
+    k = max(range(packed["input_ids"].shape[0]), key=lambda k: int(packed["segment_ids"][k].max()))
+    segments = packed["segment_ids"][k]
+    assert segments.max() >= 1  # this sequence holds at least two rows
+    changed = {key: value.clone() for key, value in packed.items()}
+    changed["input_ids"][k][segments != 0] = torch.randint(3, VOCAB, ((segments != 0).sum(),))
+    with torch.no_grad():
+        before = model(**model_inputs(packed, CPU, torch.float32)).logits
+        after = model(**model_inputs(changed, CPU, torch.float32)).logits
+    first = segments == 0
+    torch.testing.assert_close(after[k][first], before[k][first], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[k][segments == 1], before[k][segments == 1])
+
+
+def test_block_causal_mask_allows_only_earlier_tokens_of_the_same_row():
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1]])
+    allowed = block_causal_mask(segments, torch.float32)[0, 0] == 0
+    for q in range(8):
+        for key in range(8):
+            same = segments[0, q] == segments[0, key]
+            assert bool(allowed[q, key]) == bool(same and key <= q), (q, key)
+
+
+def test_packed_labels_skip_each_rows_first_token_and_the_prompt():
+    rows = random_rows(6, seed=4)
+    for on_prompt in (False, True):
+        packed = packed_sft_batch(rows, PAD, on_prompt, capacity=MAX_LEN)
+        starts = (packed["position_ids"] == 0) & (packed["segment_ids"] >= 0)
+        assert (packed["labels"][starts] == IGNORE_INDEX).all()
+        assert (packed["labels"][packed["segment_ids"] < 0] == IGNORE_INDEX).all()
+        expected = sum(
+            len(r["chosen_ids"])
+            if not on_prompt
+            else len(r["prompt_ids"]) + len(r["chosen_ids"]) - 1
+            for r in rows
+        )
+        assert count_targets(packed["labels"]) == expected
+
+
+@pytest.mark.parametrize("capacity", [10, 25, 64])
+def test_pack_bins_keeps_every_row_once_within_capacity(capacity):
+    lengths = [3, 9, 10, 1, 7, 7, 5, 2, 8, 10]
+    bins = pack_bins(lengths, capacity)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
+    assert len(bins) <= -(-sum(lengths) // capacity) + 1  # first-fit decreasing is near optimal
+
+
+def test_dynamic_padding_gives_the_padded_reward_scores_and_loss():
+    scorer, rows = tiny_scorer(), random_rows(7, seed=5)
+    out = []
+    with torch.no_grad():
+        for batch in (pair_batch(rows, PAD, pad_to=MAX_LEN), pair_batch(rows, PAD)):
+            values = scorer(batch["input_ids"], batch["attention_mask"])
+            scores = algos.sequence_scores(
+                values, batch["attention_mask"], batch["response_mask"], "last"
+            )
+            chosen, rejected = scores.chunk(2)
+            out.append((scores, algos.pairwise_ranking_loss(chosen, rejected, 0.0)))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[1][1], out[0][1], atol=1e-5, rtol=0)
+
+
+END = 40  # the end-of-text of the counting model
+# the counting model's answers to these end after 15, 10, 6 and 2 tokens (end-of-text included)
+COUNTING_PROMPTS = [[2, 7, 25], [2, 30], [2, 9, 11, 60, 34], [2, 5, 38]]
+
+
+def counting_lm() -> OPTForCausalLM:
+    """An LM whose next token after t is t + 1 (wrapping over the ordinary ids 3..V-1): the
+    layers add nothing, the head maps each token's final hidden state to its successor. Its
+    answers end at END after a number of steps set by the prompt's last token."""
+    torch.manual_seed(0)
+    model = OPTForCausalLM(tiny_config(tie_word_embeddings=False)).eval()
+    decoder = model.model.decoder
+    with torch.no_grad():
+        for layer in decoder.layers:
+            for linear in (layer.self_attn.out_proj, layer.fc2):
+                linear.weight.zero_()
+                linear.bias.zero_()
+        decoder.embed_positions.weight.zero_()
+        hidden = decoder.final_layer_norm(decoder.embed_tokens.weight)  # (V, H)
+        previous = [VOCAB - 1, *range(3, VOCAB - 1)]  # of ids 3..V-1
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3:] = hidden[previous]
+    return model
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_early_stopped_generation_equals_full_length_generation_up_to_eos(greedy):
+    model, max_new = counting_lm(), 24
+    rollouts = {}
+    for stop in (True, False):
+        torch.manual_seed(11)
+        sampling = Sampling(max_new, greedy=greedy, stop_at_eos=stop)
+        rollouts[stop] = generate(model, COUNTING_PROMPTS, PAD, END, sampling, synced_gpus=False)
+    early, full = rollouts[True], rollouts[False]
+    assert early.response_mask.sum(1).tolist() == [15, 10, 6, 2]
+    width = early.response_mask.shape[1]
+    assert width == 15 < max_new  # generation stopped when the last answer ended
+    assert full.sequences.shape[1] == full.prompt_width + max_new
+    torch.testing.assert_close(early.response_mask, full.response_mask[:, :width])
+    assert not full.response_mask[:, width:].any()  # nothing counts after the end-of-text
+    kept = early.response_mask
+    responses = early.sequences[:, early.prompt_width :]
+    assert torch.equal(responses[kept], full.sequences[:, full.prompt_width :][:, :width][kept])
+    assert (responses[~kept] == PAD).all()
+    torch.testing.assert_close(
+        early.attention_mask, full.attention_mask[:, : early.prompt_width + width]
+    )
+
+
+def test_kv_cached_greedy_generation_equals_recomputing_every_step():
+    model = tiny_lm(seed=3)
+    prompts = [r["prompt_ids"] for r in random_rows(4, seed=9, max_part=8)]
+    rollout = generate(model, prompts, PAD, 0, Sampling(12, greedy=True), False)
+    sequences = rollout.sequences[:, : rollout.prompt_width]
+    mask = rollout.attention_mask[:, : rollout.prompt_width]
+    with torch.no_grad():
+        for _ in range(12):  # no cache: the whole sequence again for each new token
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=sequences, attention_mask=mask, position_ids=positions).logits
+            sequences = torch.cat([sequences, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    assert torch.equal(rollout.sequences, sequences)
+
+
+def test_ppo_losses_are_the_same_from_an_early_stopped_or_a_full_length_rollout():
+    actor, reference = counting_lm(), tiny_lm(seed=5)
+    critic, reward = tiny_scorer(seed=2), tiny_scorer(seed=3)
+    shaping = Shaping(
+        kl_coef=0.1,
+        kl_estimator="k1",
+        clip_reward_value=5.0,
+        gamma=1.0,
+        lam=0.95,
+        min_response_tokens=2,
+        score_position="last",
+        reward_stats=None,
+    )
+    out = {}
+    for stop in (True, False):
+        sampling = Sampling(24, greedy=True, stop_at_eos=stop)
+        rollout = generate(actor, COUNTING_PROMPTS, PAD, END, sampling, synced_gpus=False)
+        exp = make_experience(rollout, actor, reference, critic, reward, shaping, CPU)
+        with torch.no_grad():  # the update's forward, as ppo.train_step runs it
+            logits = reference(
+                input_ids=exp.sequences,
+                attention_mask=exp.attention_mask,
+                position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0),
+            ).logits[:, exp.prompt_width - 1 : -1]
+            logprobs = algos.logprobs_from_logits(logits, exp.sequences[:, exp.prompt_width :])
+            values = critic(exp.sequences, exp.attention_mask)[:, exp.prompt_width - 1 : -1]
+        actor_loss, _ = algos.policy_loss(
+            logprobs, exp.old_logprobs, exp.advantages, exp.response_mask, 0.2, None
+        )
+        critic_loss, _ = algos.value_loss(
+            values, exp.old_values + 0.1, exp.returns, exp.response_mask, 0.2
+        )
+        out[stop] = exp, actor_loss, critic_loss
+    (early, a0, c0), (full, a1, c1) = out[True], out[False]
+    width = early.response_mask.shape[1]
+    assert width < full.response_mask.shape[1]
+    torch.testing.assert_close(a0, a1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(c0, c1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(early.scores, full.scores, atol=1e-5, rtol=0)
+    for field in ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns"):
+        kept = early.response_mask
+        torch.testing.assert_close(
+            getattr(early, field)[kept], getattr(full, field)[:, :width][kept], atol=1e-5, rtol=0
+        )
