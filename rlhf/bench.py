@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sections = [s for s in args.sections.split(",") if s]
     if unknown := set(args.sections) - set(SECTIONS):
         p.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.data and not Path(args.data).exists():
+        p.error(f"--data {args.data}: no such file or directory")
     args.threads = args.threads or max(1, CORES // args.ranks)
     args.out = args.out or REPO / "outputs" / "bench" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     return args
@@ -197,12 +199,10 @@ def launch(module_args: list[str], ranks: int) -> list[str]:
     ]
 
 
-def run_rlhf(overrides: list[str], run_dir: Path, args) -> dict:
-    """``python -m rlhf OVERRIDES`` into ``run_dir``; returns its summary.json plus, from
-    metrics.jsonl, the rates after the first (warm-up) step and the run's wall time."""
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
-    run_dir.mkdir(parents=True)
-    cmd = launch(["rlhf", *overrides, f"hydra.run.dir={run_dir}"], args.ranks)
+def run_logged(module_args: list[str], run_dir: Path, args) -> float:
+    """``python -m MODULE_ARGS`` (on ``args.ranks`` ranks), its output in run_dir/output.log;
+    returns its wall time."""
+    cmd = launch(module_args, args.ranks)
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     started = time.perf_counter()
     with (run_dir / "output.log").open("w") as log:
@@ -210,8 +210,16 @@ def run_rlhf(overrides: list[str], run_dir: Path, args) -> dict:
     if proc.returncode != 0:
         tail = (run_dir / "output.log").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["bench/wall_s"] = time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def run_rlhf(overrides: list[str], run_dir: Path, args) -> dict:
+    """``python -m rlhf OVERRIDES`` into ``run_dir``; returns its summary.json plus, from
+    metrics.jsonl, the rates after the first (warm-up) step and the run's wall time."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
+    run_dir.mkdir(parents=True)
+    wall = run_logged(["rlhf", *overrides, f"hydra.run.dir={run_dir}"], run_dir, args)
+    summary = {**json.loads((run_dir / "summary.json").read_text()), "bench/wall_s": wall}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {**summary, **steady_rates([r for r in rows if "perf/samples_per_s" in r])}
 
@@ -356,7 +364,8 @@ def run_metrics(summary: dict) -> dict[str, float]:
         "peak_mem_gb": summary.get("perf/peak_mem_gb"),
         "wall_s": summary.get("bench/wall_s"),
     }
-    if "perf/gen_tokens_per_s" in summary:
+    if "perf/gen_tokens_per_s" in summary:  # PPO: tokens/s are the update's, no samples/s
+        out["samples_per_s"] = None
         out["s_per_iter"] = summary.get("bench/s_per_iter")
         out["gen_tokens_per_s"] = summary["perf/gen_tokens_per_s"]
         out["response_length"] = summary.get("ppo/response_length")
@@ -393,15 +402,8 @@ def run_trl(section: str, fast_dir: Path, model: str, steps: int, run_dir: Path,
         "out": str(run_dir),
     }
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
-    cmd = launch(["rlhf.bench", "_trl", str(run_dir / "spec.json")], args.ranks)
-    started = time.perf_counter()
-    with (run_dir / "output.log").open("w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env(args.threads), stdout=log, stderr=log)
-    if proc.returncode != 0:
-        tail = (run_dir / "output.log").read_text()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    result = json.loads((run_dir / "result.json").read_text())
-    return {**result, "wall_s": time.perf_counter() - started}
+    wall = run_logged(["rlhf.bench", "_trl", str(run_dir / "spec.json")], run_dir, args)
+    return {**json.loads((run_dir / "result.json").read_text()), "wall_s": wall}
 
 
 def run_config(run_dir: Path, node: str, schema=None):
@@ -584,7 +586,7 @@ def section_flops(section: str, run_dir: Path) -> float | None:
 
 COLUMNS = (  # (metric, header, format)
     ("samples_per_s", "samples/s", "{:.1f}"),
-    ("tokens_per_s", "real tok/s", "{:.0f}"),
+    ("tokens_per_s", "train tok/s", "{:.0f}"),
     ("s_per_iter", "s/iter", "{:.2f}"),
     ("gen_tokens_per_s", "gen tok/s", "{:.0f}"),
     ("response_length", "answer len", "{:.0f}"),
@@ -598,9 +600,17 @@ def medians(runs: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs if r.get(k) is not None) for k in keys}
 
 
+def paired(pairs: list[tuple[dict, dict]], key: str, faster_is: str = "higher") -> float:
+    """The median over repeats of fast / other (other / fast when lower is better). Each
+    repeat's runs are minutes apart, so their ratio holds when the machine's load shifts
+    between repeats, where a ratio of medians would pair runs from different loads."""
+    ratios = [f[key] / o[key] if faster_is == "higher" else o[key] / f[key] for f, o in pairs]
+    return statistics.median(ratios)
+
+
 def summarize(results: dict, flops: dict, peak: float) -> dict:
-    """Medians per section and mode, the ratios and the targets. Each run's MFU divides its
-    model FLOP/s by the matmul peak measured just before it (else by ``peak``)."""
+    """Medians per section and mode, the paired ratios and the targets. Each run's MFU divides
+    its model FLOP/s by the matmul peak measured just before it (else by ``peak``)."""
     for section, modes in results.items():
         for run in (r for runs in modes.values() for r in runs):
             if flops.get(section) and run.get("tokens_per_s"):
@@ -608,20 +618,18 @@ def summarize(results: dict, flops: dict, peak: float) -> dict:
                 run["mfu"] = run["model_flops_per_s"] / (run.get("peak_flops") or peak)
     table = {s: {m: medians(runs) for m, runs in modes.items()} for s, modes in results.items()}
     ratios = {}
-    for section, modes in table.items():
-        fast = modes.get("fast", {})
+    for section, modes in results.items():
         for other in ("baseline", "trl"):
             if other not in modes:
                 continue
+            name = "TRL" if other == "trl" else other
+            pairs = list(zip(modes["fast"], modes[other]))  # the runs of one repeat: adjacent
             if section == "ppo":
-                ratios["ppo: s/iter vs baseline"] = modes[other]["s_per_iter"] / fast["s_per_iter"]
+                ratios[f"ppo: s/iter vs {name}"] = paired(pairs, "s_per_iter", faster_is="lower")
             else:
-                key = f"{section}: samples/s vs {'TRL' if other == 'trl' else other}"
-                ratios[key] = fast["samples_per_s"] / modes[other]["samples_per_s"]
+                ratios[f"{section}: samples/s vs {name}"] = paired(pairs, "samples_per_s")
             if other == "baseline":
-                ratios[f"{section}: peak memory vs baseline"] = (
-                    fast["peak_mem_gb"] / modes[other]["peak_mem_gb"]
-                )
+                ratios[f"{section}: peak memory vs baseline"] = paired(pairs, "peak_mem_gb")
     targets = [
         {"target": f"{key} >= {goal}x", "value": ratios[key], "ok": ratios[key] >= goal}
         for key, goal in ((f"{s}: {what}", goal) for s, what, goal in TARGETS)
@@ -645,7 +653,11 @@ def format_report(report: dict) -> str:
             lines.append([section, mode, *cells])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    text.append("")
+    text += [
+        "(train tok/s: real, non-padding tokens of the training steps, PPO's update included;",
+        " gen tok/s: answer tokens of PPO's generation; MFU: model FLOP/s / matmul peak)",
+        "",
+    ]
     text += [f"{k}: {v:.2f}x" for k, v in report["ratios"].items()]
     text.append("")
     for t in report["targets"]:
@@ -689,7 +701,7 @@ def main(argv: list[str] | None = None) -> dict:
     answer = args.max_seq_len - args.max_prompt_len
     name = f"synthetic-{args.rows}-{args.max_prompt_len}-{answer}.jsonl"
     data = Path(args.data).resolve() if args.data else args.out / name
-    if not data.exists():  # kept: its tokenised cache is keyed on the file's mtime
+    if not args.data and not data.exists():  # kept: the tokenised cache keys on its mtime
         synthetic_rows(data, args.rows, args.max_prompt_len, answer)
     peaks = [matmul_peak(args.dtype, CORES)]  # again after each section: the best counts
     if not args.no_trl and not trl_version():
