@@ -24,6 +24,7 @@ from rlhf.models import (
     load_causal_lm,
     load_value_model,
     read_stats,
+    scale_value_head,
 )
 from rlhf.steps.common import RunInfo
 
@@ -67,6 +68,12 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
     )
     critic_config = critic.hf.config
+    if ppo.normalize_reward:
+        # Returns arrive in normalised reward units. A critic left in the reward model's raw
+        # units starts with value errors of several stds, which GAE passes on as advantages.
+        # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
+        stats = read_stats(cfg.critic.model.path)
+        scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
     critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
     critic = initialize(
         critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
@@ -106,7 +113,7 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info:
     export_pretrained(
         models.actor.module, cfg.actor.zero.stage, actor_copy, tokenizer, info.run_dir / "actor"
     )
-    stats = read_stats(cfg.critic.model.path)
+    stats = critic_stats(cfg)
     export_pretrained(
         models.critic.module.hf,
         cfg.critic.zero.stage,
@@ -124,6 +131,15 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info:
             info.run_dir / "actor_ema",
             state=ema.state_dict() or {},
         )
+
+
+def critic_stats(cfg: Config) -> dict | None:
+    """The score statistics of the critic export: the reward model's, in the units the critic
+    was scaled to (so normalising its scores again gives the same normalised values)."""
+    stats = read_stats(cfg.critic.model.path)
+    if stats is None or not cfg.ppo.normalize_reward:
+        return stats
+    return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
 
 
 def max_new_tokens(cfg: Config) -> int:

@@ -193,6 +193,22 @@ def load_value_model(
     return ValueModel(hf)
 
 
+def scale_value_head(value_model: ValueModel, factor: float, zero_stage: int) -> None:
+    """Multiply the score head's weights (and bias) by ``factor``: all values scale with it.
+    Every rank calls this; under ZeRO-3 the head is gathered, changed on rank 0, re-partitioned."""
+    head = value_model.hf.score
+    params = list(head.parameters())
+    if zero_stage == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    else:
+        gathered = contextlib.nullcontext()
+    with gathered, torch.no_grad():
+        for param in params:
+            param.mul_(factor)
+
+
 def lora_target(lora: LoraConfig) -> str:
     """PEFT full-match regex: the target modules inside modules named like module_filter."""
     names = "|".join(re.escape(m) for m in lora.target_modules)

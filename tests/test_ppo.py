@@ -24,7 +24,7 @@ from rlhf.experience import (
     whiten_advantages,
 )
 from rlhf.generation import Rollout, response_mask
-from rlhf.models import ValueModel
+from rlhf.models import ValueModel, scale_value_head
 
 PAD, BOS, EOS = 0, 1, 2
 G = 1e30  # large finite garbage at masked positions
@@ -372,3 +372,16 @@ def test_whiten_advantages_over_all_experiences():
     for w, e in zip(whitened, experiences, strict=True):
         assert (w.advantages[~w.response_mask] == 0).all()
         assert w.advantages.shape == e.advantages.shape
+
+
+def test_scale_value_head_scales_every_value():
+    torch.manual_seed(0)
+    critic = ValueModel(OPTForSequenceClassification(_config(num_labels=1)).eval())
+    ids = torch.tensor([[PAD, BOS, 5, 6, 7], [BOS, 8, 9, 10, EOS]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        before = critic(ids, mask)
+        scale_value_head(critic, 0.25, zero_stage=0)
+        after = critic(ids, mask)
+    assert before.abs().min() > 1e-3  # a zero value would pass any scale
+    torch.testing.assert_close(after, before * 0.25, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@ and PTX logs every contract metric and exports models that reload, multi-epoch P
 approx-KL and stops early at target_kl, ZeRO-3 on 2 ranks reproduces one ZeRO-0 process, and bad
 input fails with a message naming the key."""
 
+import json
 import math
 
 import pytest
@@ -127,7 +128,11 @@ def test_ppo_run_logs_contract_metrics_and_exports_reloadable_models(pipeline, c
     with torch.no_grad():
         score = critic(**inputs).logits
     assert score.shape == (1, 1) and torch.isfinite(score).all()
-    assert (run_dir / "critic" / "reward_stats.json").is_file()
+    # the critic was scaled into normalised reward units (ppo.normalize_reward): its stats say so
+    reward_stats = json.loads((pipeline / "reward" / "model" / "reward_stats.json").read_text())
+    critic_stats = json.loads((run_dir / "critic" / "reward_stats.json").read_text())
+    assert critic_stats["std"] == 1.0
+    assert critic_stats["mean"] == pytest.approx(reward_stats["mean"] / reward_stats["std"])
 
     # actor_ema/: the moving average, between the SFT weights and the trained actor
     ema = load_file(run_dir / "actor_ema" / "model.safetensors")
