@@ -387,7 +387,8 @@ class PPOConfig:
     kl_target: float = 6.0
     kl_horizon: int = 10000
     clip_reward_value: float = 5.0
-    normalize_reward: bool = False  # (score - mean) / std with the reward export's eval stats
+    # (score - mean) / std with the reward export's eval stats; the critic's head is scaled by 1 / std
+    normalize_reward: bool = False
     # advantages
     gamma: float = 1.0
     lam: float = 0.95
