@@ -62,7 +62,9 @@ def generate(
         top_p=sampling.top_p if not sampling.greedy else None,
         top_k=sampling.top_k if not sampling.greedy else None,
         pad_token_id=pad_id,
-        eos_token_id=end_id if sampling.stop_at_eos else None,
+        # [] rather than None: None falls back to the model's own generation_config (an
+        # exported model names its end-of-text there), which would stop at it anyway
+        eos_token_id=end_id if sampling.stop_at_eos else [],
     )
     was_training = model.training
     model.eval()
