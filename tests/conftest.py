@@ -1,5 +1,6 @@
-"""Shared test helpers: run ``python -m rlhf`` (or torchrun) in a subprocess with an isolated
-cache, and read what a run wrote."""
+"""Shared test helpers: compose configs and sweep files as the command line does; run
+``python -m rlhf`` (or torchrun) in a subprocess with an isolated cache, and read what a run
+wrote."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hydra
 import pytest
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -31,6 +36,54 @@ FAST = [
     "sft.gold_eval_prompts=16",
     "logger.progress_bar=false",
 ]
+
+
+def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
+    """As ``python -m rlhf OVERRIDES``."""
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose("config", list(overrides), return_hydra_config=hydra_config)
+
+
+def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
+    """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched."""
+    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
+        return hydra.compose(
+            name,
+            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
+            return_hydra_config=hydra_config,
+        )
+
+
+def sweep_axes(name: str, overrides=()) -> dict[str, list[str]]:
+    """A sweep file's swept keys and the values of each."""
+    params = compose_sweep(name, overrides, hydra_config=True).hydra.sweeper.params
+    parser = OverridesParser.create()
+    return {
+        key: list(parser.parse_override(f"{key}={value}").sweep_string_iterator())
+        for key, value in params.items()
+    }
+
+
+def sweep_jobs(axes: dict[str, list[str]]) -> set[tuple[str, ...]]:
+    """The distinct jobs (sorted overrides) Hydra's basic sweeper makes of ``axes``."""
+    pairs = [f"{key}={','.join(values)}" for key, values in axes.items()]
+    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(pairs), None)
+    return {tuple(sorted(job)) for job in jobs}
+
+
+def assert_contains(expected, actual, where: str) -> None:
+    """Every value of a config file reaches the composed config (defaults lists and ???
+    placeholders aside)."""
+    if isinstance(expected, DictConfig):
+        for key in expected:
+            if key == "defaults" or OmegaConf.is_missing(expected, key):
+                continue
+            assert key in actual, f"{where}.{key} missing"
+            assert_contains(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, ListConfig):
+        assert list(expected) == list(actual), where
+    else:
+        assert expected == actual, f"{where}: {actual!r}, the file says {expected!r}"
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,21 @@ with a message naming the key, the value and what is accepted. In-process, nothi
 
 from __future__ import annotations
 
-import hydra
 import pytest
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rlhf.config import ConfigError, register_configs, to_config
-from tests.conftest import CONF_DIR, SWEEPS_DIR
+from tests.conftest import (
+    CONF_DIR,
+    SWEEPS_DIR,
+    assert_contains,
+    compose,
+    compose_sweep,
+    sweep_axes,
+    sweep_jobs,
+)
 
 register_configs()
 
@@ -23,40 +28,11 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.ya
 SWEEPS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
 
 
-def compose(overrides: list[str] = ()) -> DictConfig:
-    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra.compose("config", list(overrides))
-
-
-def compose_sweep(name: str, overrides: list[str] = (), hydra_config: bool = False) -> DictConfig:
-    """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched."""
-    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
-        return hydra.compose(
-            name,
-            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
-            return_hydra_config=hydra_config,
-        )
-
-
 @pytest.fixture
 def local_file(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."}\n')
     return path
-
-
-def _assert_contains(expected, actual, where: str) -> None:
-    """Every value of an option file reaches the composed config (??? placeholders aside)."""
-    if isinstance(expected, DictConfig):
-        for key in expected:
-            if key == "defaults" or OmegaConf.is_missing(expected, key):
-                continue
-            assert key in actual, f"{where}.{key} missing"
-            _assert_contains(expected[key], actual[key], f"{where}.{key}")
-    elif isinstance(expected, ListConfig):
-        assert list(expected) == list(actual), where
-    else:
-        assert expected == actual, f"{where}: {actual!r}, the option says {expected!r}"
 
 
 # --- every option composes and validates ----------------------------------------------------
@@ -74,7 +50,7 @@ def test_every_option_composes_and_validates(group, option, local_file):
     to_config(cfg)  # raises ConfigError on any problem
     path = CONF_DIR / group / f"{option}.yaml"
     is_global = "@package _global_" in path.read_text().splitlines()[0]
-    _assert_contains(OmegaConf.load(path), cfg if is_global else cfg[group], group)
+    assert_contains(OmegaConf.load(path), cfg if is_global else cfg[group], group)
 
 
 def test_design_groups_have_their_options():
@@ -153,20 +129,11 @@ def test_command_line_groups_win_over_the_experiment():
 # --- sweeps ----------------------------------------------------------------------------------
 
 
-def _sweep_params(name: str) -> dict[str, list[str]]:
-    params = compose_sweep(name, hydra_config=True).hydra.sweeper.params
-    parser = OverridesParser.create()
-    return {
-        key: list(parser.parse_override(f"{key}={value}").sweep_string_iterator())
-        for key, value in params.items()
-    }
-
-
 @pytest.mark.parametrize("name", SWEEPS)
 def test_sweep_composes_and_every_swept_value_exists(name, tmp_path):
     cfg = compose_sweep(name, hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN"
-    params = _sweep_params(name)
+    params = sweep_axes(name)
     assert params and all(len(values) >= 1 for values in params.values())
     # a step=ppo sweep starts from the SFT and reward exports: any existing dirs will do here
     exports = (
@@ -181,13 +148,8 @@ def test_sweep_composes_and_every_swept_value_exists(name, tmp_path):
 
 
 def test_step1_sweep_is_deepspeed_chats_grid():
-    params = _sweep_params("step1")
-    swept = [
-        f"{k}={v}"
-        for k, v in compose_sweep("step1", hydra_config=True).hydra.sweeper.params.items()
-    ]
-    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(swept), None)
-    assert len({tuple(sorted(job)) for job in jobs}) == 8  # 8 distinct jobs, so 8 job dirs
+    params = sweep_axes("step1")
+    assert len(sweep_jobs(params)) == 8  # 8 distinct jobs, so 8 job dirs
     assert params["zero"] == ["stage2", "stage3"]
     assert [v.lower() for v in params["zero.offload"]] == ["false", "true"]
     base = to_config(compose_sweep("step1"))

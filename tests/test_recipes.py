@@ -8,15 +8,20 @@ opt/single_node/sweep/ scripts of both steps."""
 
 from __future__ import annotations
 
-import hydra
 import pytest
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rlhf.config import Config, ConfigError, register_configs, to_config
 from rlhf.steps.all import step_overrides
-from tests.conftest import CONF_DIR, SWEEPS_DIR
+from tests.conftest import (
+    CONF_DIR,
+    SWEEPS_DIR,
+    assert_contains,
+    compose,
+    compose_sweep,
+    sweep_axes,
+    sweep_jobs,
+)
 
 register_configs()
 
@@ -30,21 +35,6 @@ STEP1_FOUR = [
 ]
 
 
-def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
-    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra.compose("config", list(overrides), return_hydra_config=hydra_config)
-
-
-def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
-    """As ``python -m rlhf -cd sweeps -cn NAME``."""
-    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
-        return hydra.compose(
-            name,
-            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
-            return_hydra_config=hydra_config,
-        )
-
-
 @pytest.fixture
 def exports(tmp_path) -> list[str]:
     """Stand-ins for the SFT and reward exports step=ppo requires (validation wants directories)."""
@@ -56,17 +46,6 @@ def exports(tmp_path) -> list[str]:
 
 def recipe(step: str, *overrides: str) -> Config:
     return to_config(compose([RECIPE, f"step={step}", *overrides]))
-
-
-def _assert_contains(expected, actual, where: str) -> None:
-    if isinstance(expected, DictConfig):
-        for key in expected:
-            assert key in actual, f"{where}.{key} missing"
-            _assert_contains(expected[key], actual[key], f"{where}.{key}")
-    elif isinstance(expected, ListConfig):
-        assert list(expected) == list(actual), where
-    else:
-        assert expected == actual, f"{where}: {actual!r}, the step file says {expected!r}"
 
 
 # --- the step files ------------------------------------------------------------------------------
@@ -83,7 +62,7 @@ def test_step_file_holds_values_only_and_every_value_arrives(step, exports):
         for role in ("actor", "critic"):
             assert values[role].model.pop("path") is None
     cfg = compose([RECIPE, f"step={step}", *(exports if step == "ppo" else [])])
-    _assert_contains(values, cfg, step)
+    assert_contains(values, cfg, step)
 
 
 def test_reward_step_has_the_published_step2_values():
@@ -179,21 +158,6 @@ def test_command_line_wins_over_the_step_files(exports):
 # --- the sweeps ----------------------------------------------------------------------------------
 
 
-def _axes(name: str, overrides=()) -> dict[str, list[str]]:
-    params = compose_sweep(name, overrides, hydra_config=True).hydra.sweeper.params
-    parser = OverridesParser.create()
-    return {
-        key: list(parser.parse_override(f"{key}={value}").sweep_string_iterator())
-        for key, value in params.items()
-    }
-
-
-def _jobs(axes: dict[str, list[str]]) -> set[tuple[str, ...]]:
-    pairs = [f"{key}={','.join(values)}" for key, values in axes.items()]
-    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(pairs), None)
-    return {tuple(sorted(job)) for job in jobs}
-
-
 @pytest.mark.parametrize("name", ["step2", "step3"])
 def test_sweep_header_gives_its_commands(name):
     lines = (SWEEPS_DIR / f"{name}.yaml").read_text().splitlines()
@@ -206,10 +170,10 @@ def test_sweep_header_gives_its_commands(name):
 
 
 def test_step2_sweep_is_deepspeed_chats_grid():
-    axes = _axes("step2")
+    axes = sweep_axes("step2")
     assert axes["zero"] == ["stage2", "stage3"]
     assert [v.lower() for v in axes["zero.offload"]] == ["false", "true"]
-    assert len(_jobs(axes)) == 4
+    assert len(sweep_jobs(axes)) == 4
     for overrides in ([], [RECIPE]):
         base = to_config(compose_sweep("step2", overrides))
         assert base.step.name == "reward"
@@ -232,12 +196,12 @@ def test_step2_sweep_is_deepspeed_chats_grid():
 
 
 def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
-    axes = _axes("step3", exports)
+    axes = sweep_axes("step3", exports)
     assert axes["zero"] == ["stage2", "stage3"]
     assert [v.lower() for v in axes["zero.offload"]] == ["false", "true"]
     [lora_axis] = set(axes) - {"zero", "zero.offload"}
-    assert len(_jobs(axes)) == 8  # on CPU: no hybrid-engine axis
-    assert len(_jobs({**axes, "actor.hybrid_engine": ["false", "true"]})) == 16
+    assert len(sweep_jobs(axes)) == 8  # on CPU: no hybrid-engine axis
+    assert len(sweep_jobs({**axes, "actor.hybrid_engine": ["false", "true"]})) == 16
     ranks = set()
     for overrides in (exports, [*exports, RECIPE]):
         for stage in (2, 3):

@@ -14,48 +14,32 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import pytest
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rlhf import launcher as mechanics
 from rlhf.config import register_configs, to_config
-from tests.conftest import CONF_DIR, FAST, REPO, SWEEPS_DIR, cache_overrides
+from tests.conftest import (
+    CONF_DIR,
+    FAST,
+    REPO,
+    SWEEPS_DIR,
+    cache_overrides,
+    compose,
+    compose_sweep,
+    sweep_axes,
+    sweep_jobs,
+)
 
 register_configs()
 
 NEW_SWEEPS = {"lr_lora": 12, "kl_epochs": 12, "seeds": 3}  # file -> number of jobs
 LAUNCHER = "hydra_plugins.rlhf_launcher.rlhf_launcher.RlhfLauncher"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
-    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra.compose("config", list(overrides), return_hydra_config=hydra_config)
-
-
-def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
-    """As ``python -m rlhf -cd sweeps -cn NAME``."""
-    with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
-        return hydra.compose(
-            name,
-            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
-            return_hydra_config=hydra_config,
-        )
-
-
-def swept(name: str) -> dict[str, list[str]]:
-    params = compose_sweep(name, hydra_config=True).hydra.sweeper.params
-    parser = OverridesParser.create()
-    return {
-        k: list(parser.parse_override(f"{k}={v}").sweep_string_iterator())
-        for k, v in params.items()
-    }
 
 
 # --- the sweep files ---------------------------------------------------------------------------
@@ -72,10 +56,8 @@ def test_sweep_file_has_a_header_with_its_command_line(name):
 def test_sweep_file_composes_and_every_swept_value_reaches_the_config(name):
     cfg = compose_sweep(name, hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN"
-    params = swept(name)
-    pairs = [f"{k}={','.join(v)}" for k, v in params.items()]
-    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(pairs), None)
-    assert len({tuple(sorted(job)) for job in jobs}) == NEW_SWEEPS[name]
+    params = sweep_axes(name)
+    assert len(sweep_jobs(params)) == NEW_SWEEPS[name]
     base = compose_sweep(name)
     parser = OverridesParser.create()
     for key, values in params.items():
