@@ -254,6 +254,10 @@ class OptimConfig(RoleOptimConfig):
     micro_batch_size: int = 8  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
     eval_micro_batch_size: int = 16
     grad_accum: int = 1
+    # micro batches hold up to micro_batch_size x data.max_seq_len padded tokens instead of
+    # micro_batch_size rows, so short rows share fewer, fuller passes (the step's rows and its
+    # update do not change; off: DeepSpeed-Chat's fixed micro batches)
+    dynamic_batch: bool = True
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = super().problems()

@@ -55,6 +55,61 @@ class EpochPlan:
             out.append(rows[lo : lo + self.micro_batch_size])
         return out
 
+    def rank_rows(self, epoch: int, step: int, rank: int) -> list[int]:
+        """All of rank ``rank``'s rows of optimizer step ``step``, longest first when grouped."""
+        return [i for batch in self.micro_batches(epoch, step, rank) for i in batch]
+
+
+def budget_groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """Positions of ``sizes`` grouped longest first into micro batches whose padded size (items x
+    longest item) stays within ``budget`` tokens; an item larger than ``budget`` goes alone."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if groups and (len(groups[-1]) + 1) * sizes[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def split_groups(groups: list[list[list[int]]], count: int) -> list[list[list[int]]]:
+    """Micro batches (lists of bins of row positions) split until there are ``count``: the one
+    with the most bins is halved; when each has one bin, the bin with the most rows is."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda k: len(groups[k]))
+        if len(groups[k]) > 1:
+            half = len(groups[k]) // 2
+            groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
+            continue
+        k = max(range(len(groups)), key=lambda k: len(groups[k][0]))
+        rows = groups[k][0]
+        if len(rows) < 2:
+            raise ValueError(f"cannot split {len(groups)} micro batches into {count}")
+        half = len(rows) // 2
+        groups[k : k + 1] = [[rows[:half]], [rows[half:]]]
+    return groups
+
+
+def budget_micro_batches(
+    lengths_by_rank: list[list[int]], rank: int, budget: int, capacity: int | None = None
+) -> list[list[list[int]]]:
+    """One optimizer step's micro batches for rank ``rank`` by token budget instead of row count
+    (``optim.dynamic_batch``). Each micro batch is a list of bins, each bin a list of positions
+    into the rank's rows: with ``capacity`` (SFT packing) rows are packed into bins of at most
+    that many tokens, otherwise each row is a bin. Bins are grouped longest first so that bins x
+    longest bin <= ``budget``. Every rank gets the same number of micro batches, the most any
+    rank needs (ZeRO's collectives need matching forward and backward passes): the others split
+    theirs. Rows, and with the global loss normalisation the update, do not change."""
+
+    def grouped(lengths: list[int]) -> list[list[list[int]]]:
+        bins = pack_bins(lengths, capacity) if capacity else [[i] for i in range(len(lengths))]
+        sizes = [sum(lengths[i] for i in b) for b in bins]
+        return [[bins[j] for j in group] for group in budget_groups(sizes, budget)]
+
+    every_rank = [grouped(lengths) for lengths in lengths_by_rank]
+    return split_groups(every_rank[rank], max(len(g) for g in every_rank))
+
 
 def eval_shards(
     num_rows: int, batch_size: int, world_size: int, rank: int
@@ -138,7 +193,7 @@ def packed_sft_batch(
     (it would be predicted from the previous row). ``attention_mask`` stays 2D, 1 on real tokens
     (for counting)."""
     bins = pack_bins([len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows], capacity)
-    return _packed(rows, bins, pad_id, loss_on_prompt, pad_to)
+    return packed_batch(rows, bins, pad_id, loss_on_prompt, pad_to)
 
 
 def packed_sft_batches(
@@ -158,11 +213,17 @@ def packed_sft_batches(
     if len(bins) < len(micro_rows):
         return [packed_sft_batch(b, pad_id, loss_on_prompt, capacity, pad_to) for b in micro_rows]
     count = len(micro_rows)
-    return [_packed(rows, bins[k::count], pad_id, loss_on_prompt, pad_to) for k in range(count)]
+    return [
+        packed_batch(rows, bins[k::count], pad_id, loss_on_prompt, pad_to) for k in range(count)
+    ]
 
 
-def _packed(
-    rows: list[dict], bins: list[list[int]], pad_id: int, loss_on_prompt: bool, pad_to: int | None
+def packed_batch(
+    rows: list[dict],
+    bins: list[list[int]],
+    pad_id: int,
+    loss_on_prompt: bool,
+    pad_to: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The packed tensors of ``bins`` (lists of positions in ``rows``), one sequence a bin."""
     lengths = [len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows]

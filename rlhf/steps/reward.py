@@ -19,7 +19,13 @@ from transformers import AutoModelForSequenceClassification, set_seed
 
 from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import EpochPlan, pair_batch, ranked_batch, row_lengths
+from rlhf.data.batching import (
+    EpochPlan,
+    budget_micro_batches,
+    pair_batch,
+    ranked_batch,
+    row_lengths,
+)
 from rlhf.data.pipeline import phase_dataset
 from rlhf.engine import (
     BatchShape,
@@ -81,15 +87,30 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     answers = ("chosen_ids", "rejected_ids")
     if cfg.reward.loss == "listwise":
         answers = ("responses_ids",)
-    lengths = row_lengths(train_rows, answers) if cfg.data.group_by_length else None
+    lengths = row_lengths(train_rows, answers)
+    dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
     plan = EpochPlan(
         len(train_rows),
         shape.micro_batch_size,
         shape.world_size,
         shape.grad_accum,
         cfg.data.seed,
-        lengths,
+        lengths if cfg.data.group_by_length else None,
     )
+
+    def step_rows(epoch: int, step: int) -> list[list[dict]]:
+        """This rank's micro batches (rows) of one optimizer step."""
+        if not dynamic:  # micro_batch_size pairs each
+            return [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
+        by_rank = [plan.rank_rows(epoch, step, r) for r in range(shape.world_size)]
+        micro = budget_micro_batches(
+            [[lengths[i] for i in rows] for rows in by_rank],
+            rank(),
+            shape.micro_batch_size * cfg.data.max_seq_len,
+        )
+        rows = rows_at(train_rows, by_rank[rank()])
+        return [[rows[i] for b in bins for i in b] for bins in micro]
+
     if plan.steps_per_epoch == 0:
         raise ConfigError(
             f"data: the reward phase has {len(train_rows)} training pairs, fewer than one global "
@@ -169,10 +190,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
     try:
         while state.global_step < total_steps:
-            micro_rows = [
-                rows_at(train_rows, indices)
-                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-            ]
+            micro_rows = step_rows(state.epoch, state.step_in_epoch)
             speed.start()
             loss, accuracy, tokens = train_step(
                 engine, micro_rows, cfg, tokenizer.pad_token_id, guard
@@ -294,18 +312,25 @@ def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, tor
 def train_step(
     engine, micro_rows: list[list[dict]], cfg: Config, pad_id: int, guard: NonFiniteGuard
 ) -> tuple[float, float, int]:
-    """One optimizer step. Every micro batch holds the same number of prompts, so the mean of
-    per-micro-batch means is the global mean. Returns global loss, pair accuracy, real tokens."""
+    """One optimizer step. Each micro batch's loss (a mean over its prompts) is weighted by its
+    share of the step's prompts, so the update is that of the mean over the whole global batch
+    however the rows are cut (optim.dynamic_batch). Returns global loss, pair accuracy, real
+    tokens."""
     loss_sum = correct = pairs = tokens = 0.0
-    for rows in micro_rows:
-        listwise = cfg.reward.loss == "listwise"
-        pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
+    listwise = cfg.reward.loss == "listwise"
+    pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
+    for k, rows in enumerate(micro_rows):
+        # the number of micro batches may differ from grad_accum (optim.dynamic_batch)
+        engine.set_gradient_accumulation_boundary(k == len(micro_rows) - 1)
         batch = ranked_batch(rows, pad_id, pad_to) if listwise else pair_batch(rows, pad_id, pad_to)
         scores, loss = scores_and_loss(engine, batch, cfg)
+        # DeepSpeed divides by grad_accum and averages over ranks; the step holds
+        # micro_batch_size x grad_accum x ranks prompts
+        weight = len(rows) / cfg.optim.micro_batch_size
         if guard.finite(loss):
-            engine.backward(loss)
-        engine.step()  # every micro batch, so DeepSpeed's accumulation boundaries stay aligned
-        loss_sum += loss.item()
+            engine.backward(loss * weight)
+        engine.step()
+        loss_sum += loss.item() * len(rows)
         if listwise:  # best vs worst valid answer
             grid = scores.detach().view(batch["valid"].shape)
             last = batch["valid"].long().sum(1) - 1
@@ -316,4 +341,4 @@ def train_step(
         pairs += len(rows)
         tokens += batch["attention_mask"].sum().item()
     loss_sum, correct, pairs, tokens = all_reduce_sum(loss_sum, correct, pairs, tokens)
-    return loss_sum / (len(micro_rows) * world_size()), correct / pairs, int(tokens)
+    return loss_sum / pairs, correct / pairs, int(tokens)

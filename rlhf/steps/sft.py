@@ -21,8 +21,10 @@ from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import (
     EpochPlan,
+    budget_micro_batches,
     count_targets,
     model_inputs,
+    packed_batch,
     packed_sft_batches,
     row_lengths,
     sft_batch,
@@ -89,12 +91,28 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         lengths,
     )
     pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
+    sizes = row_lengths(train_rows) if cfg.optim.dynamic_batch and pad_to is None else None
 
-    def make_batches(micro_rows: list[list[dict]]) -> list[dict[str, torch.Tensor]]:
+    def step_batches(epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro batches of one optimizer step."""
         pad_id, on_prompt = tokenizer.pad_token_id, cfg.sft.loss_on_prompt
-        if cfg.sft.packing:  # the step's rows packed together
-            return packed_sft_batches(micro_rows, pad_id, on_prompt, cfg.data.max_seq_len, pad_to)
-        return [sft_batch(rows, pad_id, on_prompt, pad_to) for rows in micro_rows]
+        capacity = cfg.data.max_seq_len
+        if sizes is None:  # micro_batch_size rows each
+            micro_rows = [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
+            if cfg.sft.packing:  # the step's rows packed together
+                return packed_sft_batches(micro_rows, pad_id, on_prompt, capacity, pad_to)
+            return [sft_batch(rows, pad_id, on_prompt, pad_to) for rows in micro_rows]
+        by_rank = [plan.rank_rows(epoch, step, r) for r in range(shape.world_size)]
+        micro = budget_micro_batches(
+            [[sizes[i] for i in rows] for rows in by_rank],
+            rank(),
+            shape.micro_batch_size * capacity,
+            capacity if cfg.sft.packing else None,
+        )
+        rows = rows_at(train_rows, by_rank[rank()])
+        if cfg.sft.packing:
+            return [packed_batch(rows, bins, pad_id, on_prompt) for bins in micro]
+        return [sft_batch([rows[i] for b in bins for i in b], pad_id, on_prompt) for bins in micro]
 
     if plan.steps_per_epoch == 0:
         raise ConfigError(
@@ -175,12 +193,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
     try:
         while state.global_step < total_steps:
-            micro_batches = make_batches(
-                [
-                    rows_at(train_rows, indices)
-                    for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-                ]
-            )
+            micro_batches = step_batches(state.epoch, state.step_in_epoch)
             speed.start()
             nll, targets, tokens = train_step(
                 engine, micro_batches, shape, cfg.optim.compute_fp32_loss, guard
@@ -259,14 +272,16 @@ def train_step(
     scale = token_loss_scale(global_targets, shape.world_size, shape.grad_accum)
     param = next(engine.module.parameters())
     local_nll = 0.0
-    for batch in micro_batches:
+    for k, batch in enumerate(micro_batches):
+        # the number of micro batches may differ from grad_accum (optim.dynamic_batch)
+        engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
         logits = engine(**model_inputs(batch, param.device, param.dtype), use_cache=False).logits
         nll = causal_lm_nll_sum(
             logits.float() if fp32_loss else logits, batch["labels"].to(param.device)
         )
         if guard.finite(nll):
             engine.backward(nll * scale)
-        engine.step()  # every micro batch, so DeepSpeed's accumulation boundaries stay aligned
+        engine.step()
         local_nll += nll.item()
     (global_nll,) = all_reduce_sum(local_nll)
     return global_nll, global_targets, int(global_tokens)
