@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--critic-path", help="a reward export (or LM) to use instead of --critic")
     p.add_argument("--data", help="a .jsonl/.json/.parquet of prompt/chosen/rejected rows")
     p.add_argument("--rows", type=int, default=6000, help="synthetic rows (without --data)")
+    p.add_argument(
+        "--lengths", default="chat", choices=LENGTHS, help="synthetic length distribution"
+    )
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--max-prompt-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="SFT/reward rows a micro batch")
@@ -105,10 +109,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --- the workload ---------------------------------------------------------------------------
 
 
-def synthetic_rows(path: Path, rows: int, max_prompt: int, max_answer: int, seed: int = 0) -> None:
+LENGTHS = ("chat", "uniform")
+
+
+def synthetic_rows(
+    path: Path,
+    rows: int,
+    max_prompt: int,
+    max_answer: int,
+    seed: int = 0,
+    lengths: str = "chat",
+) -> None:
     """``rows`` prompt/chosen/rejected rows of words that are one token each in the shipped
-    tokenizer: prompt (with BOS) and each answer (with end-of-text) are uniform in
-    2..max_prompt and 2..max_answer tokens."""
+    tokenizer. A prompt is BOS + words (2..max_prompt tokens), each answer words + end-of-text
+    (2..max_answer). ``lengths``: "chat" draws each word count from a log-normal (median a
+    quarter of the cap, sigma 0.75; clipped), so a row averages about a third of prompt cap +
+    answer cap and a few reach the caps, as in chat preference data; "uniform" draws them
+    uniformly."""
     from transformers import AutoTokenizer
 
     from rlhf.assets import TINY_TOKENIZER_DIR
@@ -121,8 +138,15 @@ def synthetic_rows(path: Path, rows: int, max_prompt: int, max_answer: int, seed
     )
     rng = random.Random(seed)
 
+    def count(max_tokens: int) -> int:
+        if lengths == "uniform":
+            return rng.randint(1, max_tokens - 1)
+        return min(
+            max_tokens - 1, max(1, round(rng.lognormvariate(math.log(max_tokens / 4), 0.75)))
+        )
+
     def text(max_tokens: int) -> str:
-        return "".join(" " + rng.choice(words) for _ in range(rng.randint(1, max_tokens - 1)))
+        return "".join(" " + rng.choice(words) for _ in range(count(max_tokens)))
 
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
@@ -289,7 +313,15 @@ def batch_overrides(args, grad_accum: int | None = None) -> list[str]:
 
 # --- what each mode runs ---------------------------------------------------------------------
 
-BASELINE_PADDING = ["data.pad_to_max_len=true", "data.group_by_length=false"]
+# DeepSpeed-Chat: SFT/reward rows padded to max_seq_len in fixed micro batches ...
+BASELINE_PADDING = [
+    "data.pad_to_max_len=true",
+    "data.group_by_length=false",
+    "optim.dynamic_batch=false",
+]
+# ... and PPO prompts padded to max_prompt_len, every answer generated to the cap, and a second
+# actor forward for the old log-probs
+PPO_BASELINE = ["data.pad_to_max_len=true", "ppo.stop_at_eos=false", "ppo.rollout_logprobs=false"]
 
 
 def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list[str] | None]:
@@ -316,7 +348,7 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "ppo.normalize_reward=false",
             "ppo.eval_prompts=16",
         ]
-        return {"fast": common, "baseline": [*common, "ppo.stop_at_eos=false"]}
+        return {"fast": common, "baseline": [*common, *PPO_BASELINE]}
     if not args.no_trl and trl_version():
         modes["trl"] = None
     return modes
@@ -699,10 +731,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     answer = args.max_seq_len - args.max_prompt_len
-    name = f"synthetic-{args.rows}-{args.max_prompt_len}-{answer}.jsonl"
+    name = f"synthetic-{args.lengths}-{args.rows}-{args.max_prompt_len}-{answer}.jsonl"
     data = Path(args.data).resolve() if args.data else args.out / name
     if not args.data and not data.exists():  # kept: the tokenised cache keys on its mtime
-        synthetic_rows(data, args.rows, args.max_prompt_len, answer)
+        synthetic_rows(data, args.rows, args.max_prompt_len, answer, lengths=args.lengths)
     peaks = [matmul_peak(args.dtype, CORES)]  # again after each section: the best counts
     if not args.no_trl and not trl_version():
         print("trl is not installed: the TRL columns are skipped (pip install trl)", flush=True)

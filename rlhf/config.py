@@ -135,7 +135,8 @@ class DataConfig:
     seed: int = 1234  # the phase split and the shuffle
     cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
     group_by_length: bool = True  # sort each global batch by length before cutting micro batches
-    pad_to_max_len: bool = False  # pad every SFT/reward sequence to max_seq_len (DeepSpeed-Chat)
+    # pad every SFT/reward sequence to max_seq_len and PPO prompts to max_prompt_len (DeepSpeed-Chat)
+    pad_to_max_len: bool = False
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -384,6 +385,9 @@ class PPOConfig:
     greedy: bool = False
     min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
     stop_at_eos: bool = True  # false: always generate max_new_tokens (DeepSpeed-Chat's cost)
+    # old log-probs from the logits the sampling pass already computed (the generating weights,
+    # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does
+    rollout_logprobs: bool = True
     # reward shaping
     kl_coef: float = 0.1
     kl_estimator: str = "k1"

@@ -120,7 +120,8 @@ def make_experience(
     rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
 ) -> Experience:
     """Score a rollout with the four models (all in eval mode, so the old log-probs come from
-    the generating weights without dropout) and compute rewards and advantages."""
+    the generating weights without dropout; the rollout's own when it carries them) and
+    compute rewards and advantages."""
     for trained in (actor, critic):
         trained.eval()
     try:
@@ -140,9 +141,12 @@ def _score(
         rollout.response_mask.to(device), shaping.min_response_tokens
     )
 
-    old_logprobs, _ = response_logprobs(
-        actor, sequences, attention_mask, start, temperature=shaping.temperature
-    )
+    if rollout.logprobs is not None:  # the sampling pass already computed them
+        old_logprobs = rollout.logprobs.to(device)
+    else:
+        old_logprobs, _ = response_logprobs(
+            actor, sequences, attention_mask, start, temperature=shaping.temperature
+        )
     ref_logprobs, _ = response_logprobs(
         reference, sequences, attention_mask, start, temperature=shaping.temperature
     )

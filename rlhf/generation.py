@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlhf.data.batching import left_pad
 
@@ -20,18 +20,49 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     stop_at_eos: bool = True  # false: every answer runs to max_new_tokens (masked after its end)
+    prompt_width: int | None = None  # left-pad prompts to at least this (DeepSpeed-Chat: max)
 
 
 class Rollout(NamedTuple):
     """sequences: (B, P + R) left-padded prompt then response, padded after end-of-text.
     attention_mask: (B, P + R) 1 on real prompt tokens and on the response up to its end.
     prompt_width: P, the padded prompt width (responses start at column P).
-    response_mask: (B, R) True on response tokens up to and including the first end-of-text."""
+    response_mask: (B, R) True on response tokens up to and including the first end-of-text.
+    logprobs: (B, R) log p of each response token under the generating weights, from the logits
+        the sampling pass computed (None unless asked for)."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     prompt_width: int
     response_mask: torch.Tensor
+    logprobs: torch.Tensor | None = None
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Keeps, for every generated token, its log-prob under ``temperature`` from the logits the
+    decoding step already computed. HF applies custom processors before its sampling warpers
+    (temperature, top-k, top-p), so the scores seen here are the model's own. Each call sees
+    the token chosen from the previous call's scores; ``finish`` takes the last one."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None
+        self.columns: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.columns.append(self.pending.gather(1, tokens.unsqueeze(1)))
+            self.pending = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, R) log-probs of the R generated columns of ``sequences``."""
+        self._take(sequences[:, -1])
+        return torch.cat(self.columns, dim=1)
 
 
 def response_mask(response_ids: torch.Tensor, end_id: int) -> torch.Tensor:
@@ -50,10 +81,12 @@ def generate(
     end_id: int,
     sampling: Sampling,
     synced_gpus: bool,
+    logprobs_temperature: float | None = None,
 ) -> Rollout:
     """Sample answers for ``prompts`` (token id lists). With ``synced_gpus`` (ZeRO-3) every rank
-    runs the same number of forward passes even after its own answers have ended."""
-    input_ids, prompt_mask = left_pad(prompts, pad_id)
+    runs the same number of forward passes even after its own answers have ended. With
+    ``logprobs_temperature`` the rollout carries each answer token's log-prob under it."""
+    input_ids, prompt_mask = left_pad(prompts, pad_id, sampling.prompt_width)
     device = next(model.parameters()).device
     config = GenerationConfig(
         max_new_tokens=sampling.max_new_tokens,
@@ -66,19 +99,23 @@ def generate(
         # exported model names its end-of-text there), which would stop at it anyway
         eos_token_id=end_id if sampling.stop_at_eos else [],
     )
+    recorder = None if logprobs_temperature is None else SampledLogprobs(logprobs_temperature)
     was_training = model.training
     model.eval()
     sequences = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=prompt_mask.to(device),
         generation_config=config,
+        logits_processor=LogitsProcessorList([recorder] if recorder else []),
         synced_gpus=synced_gpus,
-    ).cpu()
+    )
     model.train(was_training)
+    logprobs = recorder.finish(sequences).cpu() if recorder else None
+    sequences = sequences.cpu()
     width = input_ids.shape[1]
     mask = response_mask(sequences[:, width:], end_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-    return Rollout(sequences, attention_mask, width, mask)
+    return Rollout(sequences, attention_mask, width, mask, logprobs)
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -27,9 +27,9 @@ def test_size_builds_opt_init_overrides():
     assert int(overrides["actor.model.init.num_attention_heads"]) == 4
 
 
-def test_synthetic_rows_have_the_promised_token_lengths(tmp_path):
+def synthetic_lengths(tmp_path, lengths, rows=400, max_prompt=16, max_answer=12):
     path = tmp_path / "rows.jsonl"
-    bench.synthetic_rows(path, 200, max_prompt=16, max_answer=12, seed=1)
+    bench.synthetic_rows(path, rows, max_prompt, max_answer, seed=1, lengths=lengths)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # with BOS
@@ -38,9 +38,23 @@ def test_synthetic_rows_have_the_promised_token_lengths(tmp_path):
         for r in rows
         for k in ("chosen", "rejected")
     ]
-    assert len(rows) == 200
+    return prompts, answers
+
+
+def test_uniform_synthetic_rows_span_the_promised_token_lengths(tmp_path):
+    prompts, answers = synthetic_lengths(tmp_path, "uniform")
+    assert len(prompts) == 400
     assert min(prompts) == 2 and max(prompts) == 16
     assert min(answers) == 2 and max(answers) == 12
+    assert 0.45 < (sum(prompts) / len(prompts) + sum(answers) / len(answers)) / 28 < 0.6
+
+
+def test_chat_synthetic_rows_average_a_third_of_the_caps_and_some_reach_them(tmp_path):
+    prompts, answers = synthetic_lengths(tmp_path, "chat", max_prompt=128, max_answer=128)
+    assert min(prompts) >= 2 and max(prompts) == 128
+    assert min(answers) >= 2 and max(answers) == 128
+    mean_row = sum(prompts) / len(prompts) + sum(answers) / len(answers)
+    assert 0.28 < mean_row / 256 < 0.38  # DeepSpeed-Chat pads such rows about 3x
 
 
 def cumulative_rows(step_seconds, step_tokens, samples_per_step=8):
@@ -169,7 +183,8 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
     assert set(modes["baseline"]) - set(modes["fast"]) == set(bench.BASELINE_PADDING)
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
-    assert set(ppo["baseline"]) - set(ppo["fast"]) == {"ppo.stop_at_eos=false"}
+    assert set(ppo["baseline"]) - set(ppo["fast"]) == set(bench.PPO_BASELINE)
+    assert "ppo.stop_at_eos=false" in bench.PPO_BASELINE
     assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]
     with_trl = bench.parse_args(["--out", str(tmp_path)])
     assert ("trl" in bench.section_modes("reward", with_trl, "A", "C")) == bool(bench.trl_version())

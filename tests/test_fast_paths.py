@@ -19,7 +19,7 @@ from rlhf.data.batching import (
     pair_batch,
     sft_batch,
 )
-from rlhf.experience import Shaping, make_experience
+from rlhf.experience import Shaping, make_experience, response_logprobs
 from rlhf.generation import Sampling, generate
 from rlhf.models import ValueModel
 
@@ -281,7 +281,28 @@ def test_kv_cached_greedy_generation_equals_recomputing_every_step():
     assert torch.equal(rollout.sequences, sequences)
 
 
-def test_ppo_losses_are_the_same_from_an_early_stopped_or_a_full_length_rollout():
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rollout_logprobs_equal_a_second_forward_over_the_rollout(greedy):
+    model, temperature = tiny_lm(seed=7), 1.0 if greedy else 0.7
+    prompts = [r["prompt_ids"] for r in random_rows(5, seed=4, max_part=10)]
+    torch.manual_seed(2)
+    sampling = Sampling(16, greedy=greedy, temperature=temperature, top_k=0 if greedy else 20)
+    rollout = generate(model, prompts, PAD, 0, sampling, False, logprobs_temperature=temperature)
+    recomputed, _ = response_logprobs(
+        model,
+        rollout.sequences,
+        rollout.attention_mask,
+        rollout.prompt_width - 1,
+        True,
+        temperature,
+    )
+    assert rollout.logprobs.shape == rollout.response_mask.shape
+    kept = rollout.response_mask
+    torch.testing.assert_close(rollout.logprobs[kept], recomputed[kept], atol=1e-5, rtol=0)
+    assert (rollout.logprobs[kept] < 0).all()  # the model's own, not top-k-renormalised
+
+
+def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_path():
     actor, reference = counting_lm(), tiny_lm(seed=5)
     critic, reward = tiny_scorer(seed=2), tiny_scorer(seed=3)
     shaping = Shaping(
@@ -295,9 +316,13 @@ def test_ppo_losses_are_the_same_from_an_early_stopped_or_a_full_length_rollout(
         reward_stats=None,
     )
     out = {}
-    for stop in (True, False):
-        sampling = Sampling(24, greedy=True, stop_at_eos=stop)
-        rollout = generate(actor, COUNTING_PROMPTS, PAD, END, sampling, synced_gpus=False)
+    for fast in (True, False):  # fast: stop at the end, log-probs from the rollout, no padding
+        sampling = Sampling(24, greedy=True, stop_at_eos=fast, prompt_width=None if fast else 9)
+        rollout = generate(
+            actor, COUNTING_PROMPTS, PAD, END, sampling, False, 1.0 if fast else None
+        )
+        assert rollout.prompt_width == (5 if fast else 9)
+        assert (rollout.logprobs is not None) == fast
         exp = make_experience(rollout, actor, reference, critic, reward, shaping, CPU)
         with torch.no_grad():  # the update's forward, as ppo.train_step runs it
             logits = reference(
@@ -313,7 +338,7 @@ def test_ppo_losses_are_the_same_from_an_early_stopped_or_a_full_length_rollout(
         critic_loss, _ = algos.value_loss(
             values, exp.old_values + 0.1, exp.returns, exp.response_mask, 0.2
         )
-        out[stop] = exp, actor_loss, critic_loss
+        out[fast] = exp, actor_loss, critic_loss
     (early, a0, c0), (full, a1, c1) = out[True], out[False]
     width = early.response_mask.shape[1]
     assert width < full.response_mask.shape[1]

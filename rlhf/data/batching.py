@@ -142,9 +142,12 @@ def right_pad(
     return ids, mask
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and attention mask, real tokens last (for generation)."""
-    width = max(len(s) for s in seqs)
+def left_pad(
+    seqs: list[list[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and attention mask, real tokens last (for generation); T is the longest
+    sequence, or ``width`` if that is larger (DeepSpeed-Chat pads prompts to max_prompt_len)."""
+    width = max(width or 0, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -130,7 +130,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         else algos.FixedKLController(ppo.kl_coef)
     )
     sampling = Sampling(
-        max_new_tokens(cfg), ppo.greedy, ppo.temperature, ppo.top_p, ppo.top_k, ppo.stop_at_eos
+        max_new_tokens(cfg),
+        ppo.greedy,
+        ppo.temperature,
+        ppo.top_p,
+        ppo.top_k,
+        ppo.stop_at_eos,
+        data.max_prompt_len if data.pad_to_max_len else None,
     )
     log.info(
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
@@ -321,6 +327,7 @@ def collect(
         eot,
         sampling,
         synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
+        logprobs_temperature=shaping.temperature if cfg.ppo.rollout_logprobs else None,
     )
     speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
     return make_experience(
