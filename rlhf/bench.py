@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ppo-iters", type=int, default=3)
     p.add_argument("--mfu-steps", type=int, default=3)
     p.add_argument("--export-steps", type=int, default=12, help="steps to build the PPO models")
-    p.add_argument("--no-packing", action="store_true", help="fast SFT without sft.packing")
+    p.add_argument("--no-packing", action="store_true", help="fast SFT and PPO without packing")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL columns")
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
@@ -348,7 +348,10 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "ppo.normalize_reward=false",
             "ppo.eval_prompts=16",
         ]
-        return {"fast": common, "baseline": [*common, *PPO_BASELINE]}
+        fast_ppo = ["ppo.generation_cache=static"] + (
+            [] if args.no_packing else ["ppo.packing=true"]
+        )
+        return {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}
     if not args.no_trl and trl_version():
         modes["trl"] = None
     return modes

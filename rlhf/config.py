@@ -348,6 +348,7 @@ class RewardConfig:
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+GENERATION_CACHES = ("dynamic", "static")
 
 
 @dataclass
@@ -385,9 +386,15 @@ class PPOConfig:
     greedy: bool = False
     min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
     stop_at_eos: bool = True  # false: always generate max_new_tokens (DeepSpeed-Chat's cost)
+    # the KV cache of generation (HF's cache_implementation): static preallocates prompt +
+    # max_new_tokens and copies nothing per step (faster decoding on CPU); dynamic grows
+    generation_cache: str = "dynamic"
     # old log-probs from the logits the sampling pass already computed (the generating weights,
     # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does
     rollout_logprobs: bool = True
+    # the experience and update passes run over the rollout's rows packed end to end
+    # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
+    packing: bool = False
     # reward shaping
     kl_coef: float = 0.1
     kl_estimator: str = "k1"
@@ -445,6 +452,14 @@ class PPOConfig:
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+        if self.generation_cache not in GENERATION_CACHES:
+            out.append(
+                (
+                    "generation_cache",
+                    self.generation_cache,
+                    f"one of {', '.join(GENERATION_CACHES)}",
+                )
+            )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             out.append(("dual_clip", self.dual_clip, "null or a float > 1"))
         for key in (

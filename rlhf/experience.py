@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from rlhf import algos
+from rlhf.data.batching import RowPacking, pack_rows
 from rlhf.generation import Rollout
 from rlhf.steps.common import all_reduce_sum
 
@@ -68,27 +69,47 @@ def response_logprobs(
     start: int,
     fp32: bool = False,
     temperature: float = 1.0,
+    packing: RowPacking | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, R) log-probs of the response tokens and the (B, R, V) logits that produced them,
-    under the sampling temperature (so the ratio compares the distributions actually sampled)."""
-    logits = model(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-    ).logits
-    logits = logits[:, start:-1]
+    under the sampling temperature (so the ratio compares the distributions actually sampled).
+    With ``packing`` the forward pass runs over the packed rows (no padding)."""
+    if packing is None:
+        logits = model(
+            input_ids=sequences,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+        ).logits[:, start:-1]
+    else:
+        dtype = next(model.parameters()).dtype
+        logits = model(**packing.inputs(dtype), use_cache=False).logits
+        logits = packing.unpack(logits, start, -1)
     logits = logits.float() if fp32 else logits
     if temperature != 1.0:
         logits = logits / temperature
     return algos.logprobs_from_logits(logits, sequences[:, start + 1 :]), logits
 
 
+def sequence_values(
+    model, sequences: torch.Tensor, attention_mask: torch.Tensor, packing: RowPacking | None = None
+) -> torch.Tensor:
+    """(B, T) per-token outputs of a ValueModel (critic or reward model)."""
+    if packing is None:
+        return model(sequences, attention_mask)
+    dtype = next(model.parameters()).dtype
+    return packing.unpack(model(**packing.inputs(dtype)))
+
+
 def response_values(
-    critic, sequences: torch.Tensor, attention_mask: torch.Tensor, start: int
+    critic,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    start: int,
+    packing: RowPacking | None = None,
 ) -> torch.Tensor:
     """(B, R) critic values of the state before each response token."""
-    return critic(sequences, attention_mask)[:, start:-1]
+    return sequence_values(critic, sequences, attention_mask, packing)[:, start:-1]
 
 
 def mask_short_answers(
@@ -113,6 +134,7 @@ class Shaping:
     score_position: str  # where the reward model's score is read: "last" | "mean"
     reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
     temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
+    packing: bool = False  # score packed rows (ppo.packing): no forward over padding
 
 
 @torch.no_grad()
@@ -141,20 +163,22 @@ def _score(
         rollout.response_mask.to(device), shaping.min_response_tokens
     )
 
+    packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
+    temperature = shaping.temperature
     if rollout.logprobs is not None:  # the sampling pass already computed them
         old_logprobs = rollout.logprobs.to(device)
     else:
         old_logprobs, _ = response_logprobs(
-            actor, sequences, attention_mask, start, temperature=shaping.temperature
+            actor, sequences, attention_mask, start, temperature=temperature, packing=packing
         )
     ref_logprobs, _ = response_logprobs(
-        reference, sequences, attention_mask, start, temperature=shaping.temperature
+        reference, sequences, attention_mask, start, temperature=temperature, packing=packing
     )
-    old_values = response_values(critic, sequences, attention_mask, start).float()
+    old_values = response_values(critic, sequences, attention_mask, start, packing).float()
     full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
     full_response[:, rollout.prompt_width :] = rollout.response_mask.to(device)
     scores = algos.sequence_scores(
-        reward_model(sequences, attention_mask),
+        sequence_values(reward_model, sequences, attention_mask, packing),
         attention_mask,
         full_response,
         shaping.score_position,

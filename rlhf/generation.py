@@ -21,6 +21,7 @@ class Sampling:
     top_k: int = 0
     stop_at_eos: bool = True  # false: every answer runs to max_new_tokens (masked after its end)
     prompt_width: int | None = None  # left-pad prompts to at least this (DeepSpeed-Chat: max)
+    cache: str = "dynamic"  # HF's cache_implementation: "dynamic" | "static"
 
 
 class Rollout(NamedTuple):
@@ -98,6 +99,7 @@ def generate(
         # [] rather than None: None falls back to the model's own generation_config (an
         # exported model names its end-of-text there), which would stop at it anyway
         eos_token_id=end_id if sampling.stop_at_eos else [],
+        cache_implementation=sampling.cache,
     )
     recorder = None if logprobs_temperature is None else SampledLogprobs(logprobs_temperature)
     was_training = model.training

@@ -158,11 +158,18 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids and mask, left or right padded -> (B, T) values."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T) ids and mask, left or right padded -> (B, T) values. Packed rows pass their
+        ``position_ids`` and a 4D block-diagonal mask (``RowPacking.inputs``)."""
         inner = self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
         backbone = getattr(inner, inner.base_model_prefix)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -183,6 +183,10 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
     assert set(modes["baseline"]) - set(modes["fast"]) == set(bench.BASELINE_PADDING)
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    assert set(ppo["fast"]) - set(ppo["baseline"]) == {
+        "ppo.packing=true",
+        "ppo.generation_cache=static",
+    }
     assert set(ppo["baseline"]) - set(ppo["fast"]) == set(bench.PPO_BASELINE)
     assert "ppo.stop_at_eos=false" in bench.PPO_BASELINE
     assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]

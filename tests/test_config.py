@@ -187,6 +187,12 @@ BAD_VALUES = [
     ),
     (["data.sources.toy.adapter=bogus"], "data.sources.toy.adapter", "'bogus'", "rm-static"),
     (["logger.backend=foo"], "logger.backend", "'foo'", "wandb"),
+    (
+        ["step=ppo", "ppo.generation_cache=paged"],
+        "ppo.generation_cache",
+        "'paged'",
+        "dynamic, static",
+    ),
 ]
 
 

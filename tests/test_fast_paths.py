@@ -2,6 +2,8 @@
 early-stopped generation give the same losses, logits and answers (fp32, within 1e-5), and a
 packed row never attends to another row."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
@@ -12,14 +14,17 @@ from rlhf.data.batching import (
     IGNORE_INDEX,
     block_causal_mask,
     count_targets,
+    left_pad,
     model_inputs,
     pack_bins,
+    pack_rows,
     packed_sft_batch,
     packed_sft_batches,
     pair_batch,
+    right_pad,
     sft_batch,
 )
-from rlhf.experience import Shaping, make_experience, response_logprobs
+from rlhf.experience import Shaping, make_experience, response_logprobs, response_values
 from rlhf.generation import Sampling, generate
 from rlhf.models import ValueModel
 
@@ -316,22 +321,23 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
         reward_stats=None,
     )
     out = {}
-    for fast in (True, False):  # fast: stop at the end, log-probs from the rollout, no padding
+    # fast: stop at the end, log-probs from the rollout, packed rows; baseline: DeepSpeed-Chat's
+    for fast in (True, False):
         sampling = Sampling(24, greedy=True, stop_at_eos=fast, prompt_width=None if fast else 9)
         rollout = generate(
             actor, COUNTING_PROMPTS, PAD, END, sampling, False, 1.0 if fast else None
         )
         assert rollout.prompt_width == (5 if fast else 9)
         assert (rollout.logprobs is not None) == fast
+        shaping = dataclasses.replace(shaping, packing=fast)
         exp = make_experience(rollout, actor, reference, critic, reward, shaping, CPU)
+        packing = pack_rows(exp.sequences, exp.attention_mask, PAD) if fast else None
         with torch.no_grad():  # the update's forward, as ppo.train_step runs it
-            logits = reference(
-                input_ids=exp.sequences,
-                attention_mask=exp.attention_mask,
-                position_ids=(exp.attention_mask.cumsum(-1) - 1).clamp(min=0),
-            ).logits[:, exp.prompt_width - 1 : -1]
-            logprobs = algos.logprobs_from_logits(logits, exp.sequences[:, exp.prompt_width :])
-            values = critic(exp.sequences, exp.attention_mask)[:, exp.prompt_width - 1 : -1]
+            start = exp.prompt_width - 1
+            logprobs, _ = response_logprobs(
+                reference, exp.sequences, exp.attention_mask, start, packing=packing
+            )
+            values = response_values(critic, exp.sequences, exp.attention_mask, start, packing)
         actor_loss, _ = algos.policy_loss(
             logprobs, exp.old_logprobs, exp.advantages, exp.response_mask, 0.2, None
         )
@@ -350,3 +356,62 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
         torch.testing.assert_close(
             getattr(early, field)[kept], getattr(full, field)[:, :width][kept], atol=1e-5, rtol=0
         )
+
+
+def test_packed_rollout_rows_give_the_padded_logprobs_values_and_gradients():
+    actor, critic = tiny_lm(seed=8), tiny_scorer(seed=4)
+    rows = random_rows(6, seed=12, max_part=12)  # answers of 1..12 tokens, as if they ended
+    prompt_ids, prompt_mask = left_pad([r["prompt_ids"] for r in rows], PAD)
+    answer_ids, kept = right_pad([r["chosen_ids"] for r in rows], PAD)
+    sequences, mask = torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, kept], 1)
+    start, kept = prompt_ids.shape[1] - 1, kept.bool()
+    packing = pack_rows(sequences, mask, PAD)
+    assert packing.input_ids.shape[0] < len(rows)  # fewer rows than the padded batch
+    assert packing.input_ids.numel() < sequences.numel()
+    out = {}
+    for packed in (False, True):
+        actor.zero_grad()
+        logprobs, logits = response_logprobs(
+            actor, sequences, mask, start, packing=packing if packed else None
+        )
+        values = response_values(critic, sequences, mask, start, packing if packed else None)
+        algos.masked_mean(logprobs * logits.float().logsumexp(-1), kept).backward()
+        grads = [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+        out[packed] = logprobs.detach(), values.detach(), grads
+    torch.testing.assert_close(out[True][0][kept], out[False][0][kept], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][1][kept], out[False][1][kept], atol=1e-5, rtol=0)
+    for packed_grad, padded_grad in zip(out[True][2], out[False][2]):
+        torch.testing.assert_close(packed_grad, padded_grad, atol=1e-5, rtol=0)
+
+
+def test_pack_rows_keeps_every_real_token_once_and_unpack_restores_the_rows():
+    sequences = torch.tensor([[0, 0, 5, 6, 7, 0], [8, 9, 4, 3, 0, 0], [0, 0, 0, 11, 12, 13]])
+    mask = (sequences != 0).long()
+    packing = pack_rows(sequences, mask, pad_id=0)
+    assert packing.input_ids.shape == (2, 6)  # 3 + 4 + 3 tokens into rows of at most 6
+    assert torch.equal(packing.unpack(packing.input_ids), sequences)
+    assert torch.equal(
+        packing.unpack(packing.position_ids), (mask.cumsum(1) - 1).clamp(min=0) * mask
+    )
+    assert sorted(packing.input_ids[packing.segment_ids >= 0].tolist()) == sorted(
+        sequences[mask.bool()].tolist()
+    )
+    with pytest.raises(ValueError, match="not contiguous"):
+        pack_rows(torch.tensor([[5, 0, 6]]), torch.tensor([[1, 0, 1]]), pad_id=0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_static_kv_cache_generates_what_the_dynamic_one_does(greedy):
+    # greedy: the counting model's answers end after 15, 10, 6 and 2 tokens
+    model, end = (counting_lm(), END) if greedy else (tiny_lm(seed=6), 7)
+    prompts = COUNTING_PROMPTS if greedy else [r["prompt_ids"] for r in random_rows(5, seed=3)]
+    rollouts = {}
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(4)
+        sampling = Sampling(18, greedy=greedy, temperature=0.8, cache=cache)
+        rollouts[cache] = generate(model, prompts, PAD, end, sampling, False, 0.8)
+    dynamic, static = rollouts["dynamic"], rollouts["static"]
+    assert dynamic.response_mask.sum() < dynamic.response_mask.numel()  # some answers ended
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.response_mask, dynamic.response_mask)
+    torch.testing.assert_close(static.logprobs, dynamic.logprobs, atol=1e-5, rtol=0)

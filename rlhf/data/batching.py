@@ -267,6 +267,62 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
+@dataclass(frozen=True)
+class RowPacking:
+    """The real tokens of B padded rows (their attention mask's 1s, which must be contiguous, as
+    in a left-padded prompt followed by its answer) laid end to end in N <= B sequences of W
+    tokens, so a forward pass computes no padding. Each row restarts its positions at 0 and
+    attends only to itself (block-diagonal causal mask)."""
+
+    input_ids: torch.Tensor  # (N, W)
+    position_ids: torch.Tensor  # (N, W)
+    segment_ids: torch.Tensor  # (N, W); -1 on padding
+    index: torch.Tensor  # (B, T): each row column's position in the flattened (N * W); -1: pad
+
+    def inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Keyword arguments of a causal LM (or ValueModel) forward over the packed rows."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": block_causal_mask(self.segment_ids, dtype),
+        }
+
+    def unpack(self, packed: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """(N, W, ...) outputs per packed position -> (B, stop - start, ...) per column
+        ``start:stop`` of the original rows; zeros on their padding."""
+        index = self.index[:, start:stop]
+        rows = packed.reshape(-1, *packed.shape[2:])[index.clamp(min=0)]
+        real = (index >= 0).view(*index.shape, *[1] * (packed.dim() - 2))
+        return torch.where(real, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, pad_id: int) -> RowPacking:
+    """``RowPacking`` of (B, T) padded rows into sequences of at most T tokens (first-fit
+    decreasing)."""
+    lengths = attention_mask.sum(1).tolist()
+    bins = pack_bins(lengths, sequences.shape[1])
+    width = max(sum(lengths[i] for i in b) for b in bins)
+    device = sequences.device
+    input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long, device=device)
+    position_ids = torch.zeros((len(bins), width), dtype=torch.long, device=device)
+    segment_ids = torch.full((len(bins), width), -1, dtype=torch.long, device=device)
+    index = torch.full(sequences.shape, -1, dtype=torch.long, device=device)
+    for k, members in enumerate(bins):
+        offset = 0
+        for segment, i in enumerate(members):
+            columns = attention_mask[i].nonzero().squeeze(1)
+            n = len(columns)
+            if n and int(columns[-1] - columns[0]) != n - 1:
+                raise ValueError(f"row {i}: its real tokens are not contiguous")
+            positions = torch.arange(n, device=device)
+            input_ids[k, offset : offset + n] = sequences[i, columns]
+            position_ids[k, offset : offset + n] = positions
+            segment_ids[k, offset : offset + n] = segment
+            index[i, columns] = k * width + offset + positions
+            offset += n
+    return RowPacking(input_ids, position_ids, segment_ids, index)
+
+
 def model_inputs(batch: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A causal LM's keyword arguments for an ``sft_batch`` or a ``packed_sft_batch`` (which
     adds its position ids and the block-diagonal causal mask)."""

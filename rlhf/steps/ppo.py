@@ -20,7 +20,7 @@ from transformers import set_seed
 from rlhf import algos, checkpoint
 from rlhf.actor_critic import Models, build_models, export_models, max_new_tokens
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import EpochPlan, token_loss_scale
+from rlhf.data.batching import EpochPlan, pack_rows, token_loss_scale
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
 from rlhf.data.ptx import PTXBatches
 from rlhf.ema import EMA
@@ -137,6 +137,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         ppo.top_k,
         ppo.stop_at_eos,
         data.max_prompt_len if data.pad_to_max_len else None,
+        ppo.generation_cache,
     )
     log.info(
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
@@ -228,6 +229,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                 score_position,
                 reward_stats,
                 1.0 if ppo.greedy else ppo.temperature,
+                ppo.packing,
             )
             experiences = [
                 collect(
@@ -425,6 +427,7 @@ def train_step(
     for exp in micro:
         n = float(exp.response_mask.sum())
         start = exp.prompt_width - 1
+        packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if ppo.packing else None
         # actor: clipped surrogate (+ entropy bonus, + PTX language modelling)
         logprobs, logits = response_logprobs(
             models.actor,
@@ -433,6 +436,7 @@ def train_step(
             start,
             cfg.actor.optim.compute_fp32_loss,
             1.0 if ppo.greedy else ppo.temperature,
+            packing,
         )
         actor_loss, stats = algos.policy_loss(
             logprobs,
@@ -454,7 +458,7 @@ def train_step(
             models.actor.backward(loss)
         models.actor.step()  # every micro batch: DeepSpeed's accumulation boundaries stay aligned
         # critic: clipped value loss
-        values = response_values(models.critic, exp.sequences, exp.attention_mask, start)
+        values = response_values(models.critic, exp.sequences, exp.attention_mask, start, packing)
         critic_loss, vstats = algos.value_loss(
             values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.clip_range_value
         )
