@@ -348,7 +348,7 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "ppo.normalize_reward=false",
             "ppo.eval_prompts=16",
         ]
-        fast_ppo = ["ppo.generation_cache=static"] + (
+        fast_ppo = ["ppo.drop_finished_rows=true"] + (
             [] if args.no_packing else ["ppo.packing=true"]
         )
         return {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}

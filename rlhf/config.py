@@ -389,8 +389,13 @@ class PPOConfig:
     # the KV cache of generation (HF's cache_implementation): static preallocates prompt +
     # max_new_tokens and copies nothing per step (faster decoding on CPU); dynamic grows
     generation_cache: str = "dynamic"
+    # drop each answer from the decoding batch and its KV cache as soon as it ends, so later
+    # steps compute only the answers still running (our decoding loop with HF's samplers; needs
+    # stop_at_eos and the dynamic cache; ZeRO-3 on several ranks uses HF generate regardless)
+    drop_finished_rows: bool = False
     # old log-probs from the logits the sampling pass already computed (the generating weights,
-    # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does
+    # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does (and
+    # as this does with actor.hybrid_engine, whose inference kernels' logits differ slightly)
     rollout_logprobs: bool = True
     # the experience and update passes run over the rollout's rows packed end to end
     # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
@@ -452,6 +457,14 @@ class PPOConfig:
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+        if self.drop_finished_rows and (not self.stop_at_eos or self.generation_cache != "dynamic"):
+            out.append(
+                (
+                    "drop_finished_rows",
+                    True,
+                    "false unless stop_at_eos=true and generation_cache=dynamic",
+                )
+            )
         if self.generation_cache not in GENERATION_CACHES:
             out.append(
                 (

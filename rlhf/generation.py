@@ -3,11 +3,20 @@ masks, and ZeRO-3-safe generation (every rank keeps stepping until all have fini
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf.data.batching import left_pad
 
@@ -22,6 +31,9 @@ class Sampling:
     stop_at_eos: bool = True  # false: every answer runs to max_new_tokens (masked after its end)
     prompt_width: int | None = None  # left-pad prompts to at least this (DeepSpeed-Chat: max)
     cache: str = "dynamic"  # HF's cache_implementation: "dynamic" | "static"
+    # drop each answer from the decoding batch and its KV cache as soon as it ends (our own
+    # decoding loop; HF's generate keeps finished rows until the longest answer ends)
+    drop_finished: bool = False
 
 
 class Rollout(NamedTuple):
@@ -104,20 +116,124 @@ def generate(
     recorder = None if logprobs_temperature is None else SampledLogprobs(logprobs_temperature)
     was_training = model.training
     model.eval()
-    sequences = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=prompt_mask.to(device),
-        generation_config=config,
-        logits_processor=LogitsProcessorList([recorder] if recorder else []),
-        synced_gpus=synced_gpus,
-    )
+    if sampling.drop_finished and sampling.stop_at_eos and not synced_gpus:
+        sequences, logprobs = decode_dropping_finished(
+            model,
+            input_ids.to(device),
+            prompt_mask.to(device),
+            sampling,
+            pad_id,
+            end_id,
+            logprobs_temperature,
+        )
+    else:  # ZeRO-3 on several ranks: every rank must run every step (synced_gpus)
+        sequences = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=prompt_mask.to(device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder] if recorder else []),
+            synced_gpus=synced_gpus,
+        )
+        logprobs = recorder.finish(sequences) if recorder else None
     model.train(was_training)
-    logprobs = recorder.finish(sequences).cpu() if recorder else None
+    logprobs = logprobs.cpu() if logprobs is not None else None
     sequences = sequences.cpu()
     width = input_ids.shape[1]
     mask = response_mask(sequences[:, width:], end_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
     return Rollout(sequences, attention_mask, width, mask, logprobs)
+
+
+def sampling_warpers(sampling: Sampling) -> LogitsProcessorList:
+    """HF's own temperature / top-k / top-p warpers, in the order generate applies them."""
+    warpers = LogitsProcessorList()
+    if sampling.greedy:
+        return warpers
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: ``cache`` in recent transformers,
+    ``past_key_values`` before (deprecated there, and going in 5.40)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(base).forward).parameters
+        else "past_key_values"
+    )
+
+
+def decode_dropping_finished(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: Sampling,
+    pad_id: int,
+    end_id: int,
+    logprobs_temperature: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KV-cached decoding of (B, P) left-padded prompts that removes each answer from the batch,
+    and its rows from the cache, as soon as it ends: later steps compute only the answers still
+    running. Sampling is HF's (same warpers, one multinomial draw a step). Returns (B, P + R)
+    sequences, padded after each end-of-text as HF's generate pads them (R: the longest answer),
+    and with ``logprobs_temperature`` the (B, R) log-prob of each answer token under it."""
+    batch, max_new = input_ids.shape[0], sampling.max_new_tokens
+    device = input_ids.device
+    answers = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, max_new), device=device)
+    warpers = sampling_warpers(sampling)
+    rows = torch.arange(batch, device=device)  # the prompt each running answer belongs to
+    mask = prompt_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    cache_kwarg = {cache_argument(model): cache}
+
+    def next_logits(ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **cache_kwarg,
+        )
+        return out.logits[:, -1].float()
+
+    logits = next_logits(input_ids, mask, positions)
+    last_position, steps = positions[:, -1], 0
+    for step in range(max_new):
+        scores = warpers(input_ids, logits)  # these warpers never read input_ids
+        if sampling.greedy:
+            tokens = scores.argmax(-1)
+        else:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        answers[rows, step] = tokens
+        if logprobs_temperature is not None:
+            step_logprobs = torch.log_softmax(logits / logprobs_temperature, dim=-1)
+            logprobs[rows, step] = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        steps = step + 1
+        running = tokens != end_id
+        if steps == max_new or not running.any():
+            break
+        if not running.all():
+            keep = running.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, tokens, mask, last_position = (
+                rows[keep],
+                tokens[keep],
+                mask[keep],
+                last_position[keep],
+            )
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        last_position = last_position + 1
+        logits = next_logits(tokens.unsqueeze(1), mask, last_position.unsqueeze(1))
+    sequences = torch.cat([input_ids, answers[:, :steps]], dim=1)
+    return sequences, logprobs[:, :steps] if logprobs_temperature is not None else None
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

@@ -185,7 +185,7 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
     assert set(ppo["fast"]) - set(ppo["baseline"]) == {
         "ppo.packing=true",
-        "ppo.generation_cache=static",
+        "ppo.drop_finished_rows=true",
     }
     assert set(ppo["baseline"]) - set(ppo["fast"]) == set(bench.PPO_BASELINE)
     assert "ppo.stop_at_eos=false" in bench.PPO_BASELINE

@@ -188,6 +188,12 @@ BAD_VALUES = [
     (["data.sources.toy.adapter=bogus"], "data.sources.toy.adapter", "'bogus'", "rm-static"),
     (["logger.backend=foo"], "logger.backend", "'foo'", "wandb"),
     (
+        ["step=ppo", "ppo.drop_finished_rows=true", "ppo.generation_cache=static"],
+        "ppo.drop_finished_rows",
+        "True",
+        "generation_cache=dynamic",
+    ),
+    (
         ["step=ppo", "ppo.generation_cache=paged"],
         "ppo.generation_cache",
         "'paged'",

@@ -415,3 +415,41 @@ def test_a_static_kv_cache_generates_what_the_dynamic_one_does(greedy):
     assert torch.equal(static.sequences, dynamic.sequences)
     assert torch.equal(static.response_mask, dynamic.response_mask)
     torch.testing.assert_close(static.logprobs, dynamic.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_dropping_finished_answers_generates_what_hf_generate_does(greedy):
+    # greedy: the counting model's answers end after 15, 10, 6 and 2 tokens, so rows drop out
+    # at different steps; sampled: a random model, top-k and temperature, answers of every length
+    model, end = (counting_lm(), END) if greedy else (tiny_lm(seed=9), 5)
+    prompts = COUNTING_PROMPTS if greedy else [r["prompt_ids"] for r in random_rows(6, seed=8)]
+    rollouts = {}
+    for drop in (False, True):
+        torch.manual_seed(3)
+        sampling = Sampling(20, greedy=greedy, temperature=0.9, top_k=30, drop_finished=drop)
+        rollouts[drop] = generate(model, prompts, PAD, end, sampling, False, 0.9)
+    hf, dropped = rollouts[False], rollouts[True]
+    lengths = dropped.response_mask.sum(1)
+    assert lengths.min() < lengths.max()  # answers ended at different steps
+    if greedy:
+        assert lengths.tolist() == [15, 10, 6, 2]
+        assert torch.equal(dropped.sequences, hf.sequences)
+        kept = dropped.response_mask
+        torch.testing.assert_close(dropped.logprobs[kept], hf.logprobs[kept], atol=1e-5, rtol=0)
+    else:  # the draws agree until the first answer ends; after that the batches differ
+        first_end = int(lengths.min())
+        width = dropped.prompt_width + first_end
+        assert torch.equal(dropped.sequences[:, :width], hf.sequences[:, :width])
+    assert dropped.sequences.shape[1] == dropped.prompt_width + int(lengths.max())
+    responses = dropped.sequences[:, dropped.prompt_width :]
+    assert (responses[~dropped.response_mask] == PAD).all()  # padding after each end-of-text
+    recomputed, _ = response_logprobs(
+        model,
+        dropped.sequences,
+        dropped.attention_mask,
+        dropped.prompt_width - 1,
+        temperature=1.0 if greedy else 0.9,
+    )
+    kept = dropped.response_mask
+    if not greedy:
+        torch.testing.assert_close(dropped.logprobs[kept], recomputed[kept], atol=1e-5, rtol=0)

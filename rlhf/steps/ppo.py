@@ -138,7 +138,14 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         ppo.stop_at_eos,
         data.max_prompt_len if data.pad_to_max_len else None,
         ppo.generation_cache,
+        ppo.drop_finished_rows,
     )
+    if ppo.drop_finished_rows and cfg.actor.zero.stage == 3 and world_size() > 1:
+        log.info(
+            "ppo.drop_finished_rows: ZeRO-3 on %d ranks needs every rank at every decoding "
+            "step, so rollouts use HF generate with synced_gpus",
+            world_size(),
+        )
     log.info(
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
         "critic ZeRO-%d, %d rank(s)",
@@ -329,7 +336,11 @@ def collect(
         eot,
         sampling,
         synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
-        logprobs_temperature=shaping.temperature if cfg.ppo.rollout_logprobs else None,
+        # the hybrid engine decodes with inference kernels whose logits differ slightly from
+        # the training forward's: recompute there, as DeepSpeed-Chat does
+        logprobs_temperature=shaping.temperature
+        if cfg.ppo.rollout_logprobs and not cfg.actor.hybrid_engine
+        else None,
     )
     speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
     return make_experience(
