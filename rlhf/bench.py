@@ -90,10 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ppo-batch", type=int, default=16, help="PPO prompts a generation batch")
     p.add_argument("--sft-steps", type=int, default=4)
     p.add_argument("--reward-steps", type=int, default=4)
-    p.add_argument("--ppo-iters", type=int, default=3)
+    p.add_argument("--ppo-iters", type=int, default=6)
     p.add_argument("--mfu-steps", type=int, default=3)
     p.add_argument("--export-steps", type=int, default=12, help="steps to build the PPO models")
-    p.add_argument("--no-packing", action="store_true", help="fast SFT and PPO without packing")
+    p.add_argument(
+        "--no-packing", action="store_true", help="fast paths without packing or a shared prompt"
+    )
     p.add_argument("--no-trl", action="store_true", help="skip the TRL columns")
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
@@ -332,7 +334,8 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
         modes = {"fast": [*common, *fast_sft], "baseline": [*common, *BASELINE_PADDING]}
     elif section == "reward":
         common = ["step=reward", *model_overrides("model", critic, args.critic, args)]
-        modes = {"fast": common, "baseline": [*common, *BASELINE_PADDING]}
+        fast_reward = [] if args.no_packing else ["reward.share_prompt=true"]
+        modes = {"fast": [*common, *fast_reward], "baseline": [*common, *BASELINE_PADDING]}
     elif section == "mfu":
         return {
             "fast": ["step=sft", *model_overrides("model", None, args.mfu_model, args), *fast_sft]

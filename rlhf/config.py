@@ -327,9 +327,16 @@ class RewardConfig:
     gold_policy: str | None = None  # a causal LM dir (the SFT export): score its sampled answers
     gold_eval_prompts: int = 128  # prompts answered by gold_policy for eval/gold_score_corr
     gen_max_new_tokens: int = 32
+    # run each pair as one row, prompt + chosen + rejected, the rejected answer attending to the
+    # prompt and itself only: the prompt is computed once instead of twice (pairwise, mse)
+    share_prompt: bool = False
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
+        if self.share_prompt and self.loss not in ("pairwise", "mse"):
+            # listwise ranks more than two answers; divergence_span reads values on the shorter
+            # answer's padding, which a shared row never computes
+            out.append(("share_prompt", True, f"false with loss={self.loss} (pairwise, mse only)"))
         if self.score_position not in SCORE_POSITIONS:
             out.append(
                 ("score_position", self.score_position, f"one of {', '.join(SCORE_POSITIONS)}")
@@ -559,6 +566,8 @@ class Config:
             )
         if self.critic.hybrid_engine:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
+        if self.reward.share_prompt and self.data.pad_to_max_len:
+            out.append(("reward.share_prompt", True, "false with data.pad_to_max_len=true"))
         if self.step.name == "ppo":
             for role in ("actor", "critic"):
                 if getattr(self, role).model.path is None:

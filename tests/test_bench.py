@@ -182,6 +182,8 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     assert set(modes) == {"fast", "baseline"}
     assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
     assert set(modes["baseline"]) - set(modes["fast"]) == set(bench.BASELINE_PADDING)
+    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
+    assert set(reward["fast"]) - set(reward["baseline"]) == {"reward.share_prompt=true"}
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
     assert set(ppo["fast"]) - set(ppo["baseline"]) == {
         "ppo.packing=true",

@@ -194,6 +194,12 @@ BAD_VALUES = [
         "generation_cache=dynamic",
     ),
     (
+        ["reward.share_prompt=true", "reward.loss=divergence_span"],
+        "reward.share_prompt",
+        "True",
+        "pairwise, mse only",
+    ),
+    (
         ["step=ppo", "ppo.generation_cache=paged"],
         "ppo.generation_cache",
         "'paged'",

@@ -112,17 +112,25 @@ def test_a_dynamic_sft_step_gives_the_fixed_steps_loss_and_gradients(packing):
         torch.testing.assert_close(grads_d[name], grad, atol=1e-5, rtol=0)
 
 
-def test_a_dynamic_reward_step_gives_the_fixed_steps_loss_and_gradients():
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_a_dynamic_reward_step_gives_the_fixed_steps_loss_and_gradients(share_prompt):
     rows = random_rows(MICRO * GRAD_ACCUM, seed=6)
+    reward = SimpleNamespace(loss="pairwise", margin=0.0, score_position="last", share_prompt=False)
     cfg = SimpleNamespace(
-        reward=SimpleNamespace(loss="pairwise", margin=0.0, score_position="last"),
+        reward=reward,
         data=SimpleNamespace(pad_to_max_len=False, max_seq_len=MAX_LEN),
         optim=SimpleNamespace(micro_batch_size=MICRO),
     )
     lengths = [
         len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows
     ]
-    micro = budget_micro_batches([lengths], 0, MICRO * MAX_LEN)
+    budget = MICRO * MAX_LEN
+    if share_prompt:  # as the reward step sizes a shared row
+        lengths = [
+            sum(len(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")) for r in rows
+        ]
+        budget *= 2
+    micro = budget_micro_batches([lengths], 0, budget)
     layouts = {
         "fixed": [rows[k::GRAD_ACCUM] for k in range(GRAD_ACCUM)],
         "dynamic": [[rows[i] for b in bins for i in b] for bins in micro],
@@ -131,6 +139,7 @@ def test_a_dynamic_reward_step_gives_the_fixed_steps_loss_and_gradients():
     assert len({len(m) for m in layouts["dynamic"]}) > 1  # unequal micro batches get weighted
     out = {}
     for name, micro_rows in layouts.items():
+        reward.share_prompt = share_prompt and name == "dynamic"
         engine = AccumulatingEngine(tiny_scorer(seed=2).train(), GRAD_ACCUM)
         guard = NonFiniteGuard(3, engine)
         loss, accuracy, _ = reward_step.train_step(engine, micro_rows, cfg, PAD, guard)

@@ -23,6 +23,8 @@ from rlhf.data.batching import (
     pair_batch,
     right_pad,
     sft_batch,
+    shared_prompt_mask,
+    shared_prompt_pair_batch,
 )
 from rlhf.experience import Shaping, make_experience, response_logprobs, response_values
 from rlhf.generation import Sampling, generate
@@ -453,3 +455,46 @@ def test_dropping_finished_answers_generates_what_hf_generate_does(greedy):
     kept = dropped.response_mask
     if not greedy:
         torch.testing.assert_close(dropped.logprobs[kept], recomputed[kept], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loss", ["pairwise", "mse"])
+def test_a_shared_prompt_gives_the_pair_batch_values_loss_and_gradients(loss):
+    rows = random_rows(7, seed=21)
+    out = {}
+    for shared in (False, True):
+        scorer = tiny_scorer(seed=6).train()
+        batch = shared_prompt_pair_batch(rows, PAD) if shared else pair_batch(rows, PAD)
+        if shared:
+            assert batch["packed_ids"].numel() < batch["input_ids"].numel()  # one prompt a pair
+            packed = scorer(
+                batch["packed_ids"],
+                shared_prompt_mask(batch["branch"], torch.float32),
+                position_ids=batch["packed_positions"],
+            )
+            index = batch["index"]
+            values = torch.where(index >= 0, packed.reshape(-1)[index.clamp(min=0)], 0.0)
+        else:
+            values = scorer(batch["input_ids"], batch["attention_mask"])
+        mask, response = batch["attention_mask"], batch["response_mask"]
+        scores = algos.sequence_scores(
+            values, mask, response, "last" if loss == "pairwise" else "mean"
+        )
+        if loss == "pairwise":
+            value = algos.pairwise_ranking_loss(*scores.chunk(2), 0.0)
+        else:
+            value = algos.mse_reward_loss(scores, torch.tensor([1.0, -1.0]).repeat_interleave(7))
+        value.backward()
+        grads = [p.grad.clone() for p in scorer.parameters() if p.grad is not None]
+        out[shared] = values.detach() * mask, value.detach(), grads
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    for shared_grad, pair_grad in zip(out[True][2], out[False][2]):
+        torch.testing.assert_close(shared_grad, pair_grad, atol=1e-5, rtol=0)
+
+
+def test_the_rejected_answer_never_sees_the_chosen_one():
+    branch = torch.tensor([[0, 0, 1, 1, 2, 2, -1]])
+    allowed = shared_prompt_mask(branch, torch.float32)[0, 0] == 0
+    assert allowed[4].tolist() == [True, True, False, False, True, False, False]
+    assert allowed[3].tolist() == [True, True, True, True, False, False, False]
+    assert allowed[6].tolist() == [False] * 6 + [True]  # padding sees padding only

@@ -359,6 +359,47 @@ def pair_batch(rows: list[dict], pad_id: int, pad_to: int | None = None) -> dict
     return _with_response_mask(seqs, prompt_lens, pad_id, pad_to)
 
 
+def shared_prompt_pair_batch(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """``pair_batch``'s tensors (what the losses read: 2B sequences, chosen first) computed as B
+    rows of prompt + chosen + rejected, so the prompt runs once. ``branch`` says which part each
+    token is (0 prompt, 1 chosen, 2 rejected, -1 padding; ``shared_prompt_mask`` lets the rejected
+    answer see the prompt and itself only), the rejected answer's positions continue the
+    prompt's, and ``index`` (2B, T) maps each column of the pair layout to its position in the
+    flattened (B, W) rows (-1: padding)."""
+    batch = pair_batch(rows, pad_id)
+    count, width = (
+        len(rows),
+        max(len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows),
+    )
+    packed_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((count, width), dtype=torch.long)
+    branch = torch.full((count, width), -1, dtype=torch.long)
+    index = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        p, c, j = len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"])
+        end = p + c + j
+        packed_ids[i, :end] = torch.tensor(r["prompt_ids"] + r["chosen_ids"] + r["rejected_ids"])
+        positions[i, : p + c] = torch.arange(p + c)
+        positions[i, p + c : end] = torch.arange(p, p + j)
+        branch[i, :p], branch[i, p : p + c], branch[i, p + c : end] = 0, 1, 2
+        index[i, : p + c] = i * width + torch.arange(p + c)
+        index[count + i, :p] = i * width + torch.arange(p)
+        index[count + i, p : p + j] = i * width + p + c + torch.arange(j)
+    batch.update(packed_ids=packed_ids, packed_positions=positions, branch=branch, index=index)
+    return batch
+
+
+def shared_prompt_mask(branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, W) branches -> (B, 1, W, W) additive causal mask: a token sees earlier tokens of its
+    own branch and the prompt; padding sees padding only."""
+    width = branch.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=branch.device).tril()
+    query, key = branch.unsqueeze(2), branch.unsqueeze(1)
+    allowed = causal & ((key == query) | ((key == 0) & (query >= 0)))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=branch.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
 def ranked_batch(
     rows: list[dict], pad_id: int, pad_to: int | None = None
 ) -> dict[str, torch.Tensor]:

@@ -25,6 +25,8 @@ from rlhf.data.batching import (
     pair_batch,
     ranked_batch,
     row_lengths,
+    shared_prompt_mask,
+    shared_prompt_pair_batch,
 )
 from rlhf.data.pipeline import phase_dataset
 from rlhf.engine import (
@@ -88,6 +90,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     if cfg.reward.loss == "listwise":
         answers = ("responses_ids",)
     lengths = row_lengths(train_rows, answers)
+    # tokens a micro batch may hold: micro_batch_size pairs of max_seq_len-wide sequences
+    budget = shape.micro_batch_size * cfg.data.max_seq_len
+    if cfg.reward.share_prompt:  # a pair is one row: prompt + chosen + rejected
+        columns = zip(
+            train_rows["prompt_ids"], train_rows["chosen_ids"], train_rows["rejected_ids"]
+        )
+        lengths, budget = tuple(sum(map(len, row)) for row in columns), 2 * budget
     dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
     plan = EpochPlan(
         len(train_rows),
@@ -106,7 +115,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         micro = budget_micro_batches(
             [[lengths[i] for i in rows] for rows in by_rank],
             rank(),
-            shape.micro_batch_size * cfg.data.max_seq_len,
+            budget,
         )
         rows = rows_at(train_rows, by_rank[rank()])
         return [[rows[i] for b in bins for i in b] for bins in micro]
@@ -280,7 +289,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence scores of a pair_batch / ranked_batch and the configured loss."""
     device = model_device(engine)
-    values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    if "index" in batch:  # shared_prompt_pair_batch: run the packed rows, read the pair layout
+        dtype = next(engine.parameters()).dtype
+        packed = engine(
+            batch["packed_ids"].to(device),
+            shared_prompt_mask(batch["branch"].to(device), dtype),
+            position_ids=batch["packed_positions"].to(device),
+        )
+        index = batch["index"].to(device)
+        values = torch.where(index >= 0, packed.reshape(-1)[index.clamp(min=0)], 0.0)
+    else:
+        values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
     attention_mask, response_mask = (
         batch["attention_mask"].to(device),
         batch["response_mask"].to(device),
@@ -322,7 +341,12 @@ def train_step(
     for k, rows in enumerate(micro_rows):
         # the number of micro batches may differ from grad_accum (optim.dynamic_batch)
         engine.set_gradient_accumulation_boundary(k == len(micro_rows) - 1)
-        batch = ranked_batch(rows, pad_id, pad_to) if listwise else pair_batch(rows, pad_id, pad_to)
+        if listwise:
+            batch = ranked_batch(rows, pad_id, pad_to)
+        elif cfg.reward.share_prompt:
+            batch = shared_prompt_pair_batch(rows, pad_id)
+        else:
+            batch = pair_batch(rows, pad_id, pad_to)
         scores, loss = scores_and_loss(engine, batch, cfg)
         # DeepSpeed divides by grad_accum and averages over ranks; the step holds
         # micro_batch_size x grad_accum x ranks prompts
