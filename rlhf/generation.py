@@ -101,19 +101,6 @@ def generate(
     ``logprobs_temperature`` the rollout carries each answer token's log-prob under it."""
     input_ids, prompt_mask = left_pad(prompts, pad_id, sampling.prompt_width)
     device = next(model.parameters()).device
-    config = GenerationConfig(
-        max_new_tokens=sampling.max_new_tokens,
-        do_sample=not sampling.greedy,
-        temperature=sampling.temperature if not sampling.greedy else None,
-        top_p=sampling.top_p if not sampling.greedy else None,
-        top_k=sampling.top_k if not sampling.greedy else None,
-        pad_token_id=pad_id,
-        # [] rather than None: None falls back to the model's own generation_config (an
-        # exported model names its end-of-text there), which would stop at it anyway
-        eos_token_id=end_id if sampling.stop_at_eos else [],
-        cache_implementation=sampling.cache,
-    )
-    recorder = None if logprobs_temperature is None else SampledLogprobs(logprobs_temperature)
     was_training = model.training
     model.eval()
     if sampling.drop_finished and sampling.stop_at_eos and not synced_gpus:
@@ -126,7 +113,22 @@ def generate(
             end_id,
             logprobs_temperature,
         )
-    else:  # ZeRO-3 on several ranks: every rank must run every step (synced_gpus)
+    else:  # HF generate (also under ZeRO-3 on several ranks, which needs synced_gpus)
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not sampling.greedy,
+            temperature=sampling.temperature if not sampling.greedy else None,
+            top_p=sampling.top_p if not sampling.greedy else None,
+            top_k=sampling.top_k if not sampling.greedy else None,
+            pad_token_id=pad_id,
+            # [] rather than None: None falls back to the model's own generation_config (an
+            # exported model names its end-of-text there), which would stop at it anyway
+            eos_token_id=end_id if sampling.stop_at_eos else [],
+            cache_implementation=sampling.cache,
+        )
+        recorder = (
+            SampledLogprobs(logprobs_temperature) if logprobs_temperature is not None else None
+        )
         sequences = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=prompt_mask.to(device),
