@@ -155,3 +155,13 @@ def test_every_rank_of_a_plan_reads_its_rows_once():
     rows = [plan.rank_rows(0, 1, r) for r in range(2)]
     assert len(rows[0]) == len(rows[1]) == MICRO * GRAD_ACCUM
     assert not set(rows[0]) & set(rows[1])
+
+
+def test_a_plans_budget_micro_batches_cover_each_ranks_rows_with_equal_counts():
+    sizes = tuple((7 * i) % MAX_LEN + 2 for i in range(48))
+    plan = EpochPlan(48, MICRO, 2, GRAD_ACCUM, seed=1, lengths=sizes)
+    out = [plan.budget_micro_batches(0, 1, r, sizes, MICRO * MAX_LEN) for r in range(2)]
+    assert len(out[0][1]) == len(out[1][1])
+    for r, (rows, micro) in enumerate(out):
+        assert rows == plan.rank_rows(0, 1, r)
+        check_micro_batches(micro, [sizes[i] for i in rows], MICRO * MAX_LEN)

@@ -14,6 +14,7 @@ from rlhf.data.batching import (
     IGNORE_INDEX,
     block_causal_mask,
     count_targets,
+    gather_positions,
     left_pad,
     model_inputs,
     pack_bins,
@@ -471,8 +472,7 @@ def test_a_shared_prompt_gives_the_pair_batch_values_loss_and_gradients(loss):
                 shared_prompt_mask(batch["branch"], torch.float32),
                 position_ids=batch["packed_positions"],
             )
-            index = batch["index"]
-            values = torch.where(index >= 0, packed.reshape(-1)[index.clamp(min=0)], 0.0)
+            values = gather_positions(packed, batch["index"])
         else:
             values = scorer(batch["input_ids"], batch["attention_mask"])
         mask, response = batch["attention_mask"], batch["response_mask"]

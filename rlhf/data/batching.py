@@ -59,6 +59,21 @@ class EpochPlan:
         """All of rank ``rank``'s rows of optimizer step ``step``, longest first when grouped."""
         return [i for batch in self.micro_batches(epoch, step, rank) for i in batch]
 
+    def budget_micro_batches(
+        self,
+        epoch: int,
+        step: int,
+        rank: int,
+        sizes: tuple[int, ...],
+        budget: int,
+        capacity: int | None = None,
+    ) -> tuple[list[int], list[list[list[int]]]]:
+        """Rank ``rank``'s rows of step ``step`` and their micro batches by token budget
+        (``budget_micro_batches`` over every rank's row ``sizes``; positions into those rows)."""
+        by_rank = [self.rank_rows(epoch, step, r) for r in range(self.world_size)]
+        lengths = [[sizes[i] for i in rows] for rows in by_rank]
+        return by_rank[rank], budget_micro_batches(lengths, rank, budget, capacity)
+
 
 def budget_groups(sizes: list[int], budget: int) -> list[list[int]]:
     """Positions of ``sizes`` grouped longest first into micro batches whose padded size (items x
@@ -260,11 +275,26 @@ def packed_batch(
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(N, T) segment ids -> (N, 1, T, T) additive mask: 0 where a query may see a key (same
     segment, not later), the dtype's minimum elsewhere. Padding (-1) only sees padding."""
-    width = segment_ids.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
-    allowed = (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
+    return causal_additive_mask(segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1), dtype)
+
+
+def causal_additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, T, T) query-key pairs allowed besides causality -> (N, 1, T, T) additive mask: 0
+    where a query may see a key (allowed and not later), the dtype's minimum elsewhere."""
+    width = allowed.shape[-1]
+    allowed = allowed & torch.ones(width, width, dtype=torch.bool, device=allowed.device).tril()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def gather_positions(outputs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(N, W, ...) outputs of packed rows -> (index shape, ...): the output at each flattened
+    (N * W) position of ``index``, zeros where it is -1 (padding)."""
+    gathered = outputs.reshape(-1, *outputs.shape[2:])[index.clamp(min=0)]
+    real = (index >= 0).view(*index.shape, *[1] * (outputs.dim() - 2))
+    return torch.where(
+        real, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device)
+    )
 
 
 @dataclass(frozen=True)
@@ -290,10 +320,7 @@ class RowPacking:
     def unpack(self, packed: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """(N, W, ...) outputs per packed position -> (B, stop - start, ...) per column
         ``start:stop`` of the original rows; zeros on their padding."""
-        index = self.index[:, start:stop]
-        rows = packed.reshape(-1, *packed.shape[2:])[index.clamp(min=0)]
-        real = (index >= 0).view(*index.shape, *[1] * (packed.dim() - 2))
-        return torch.where(real, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return gather_positions(packed, self.index[:, start:stop])
 
 
 def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, pad_id: int) -> RowPacking:
@@ -392,12 +419,8 @@ def shared_prompt_pair_batch(rows: list[dict], pad_id: int) -> dict[str, torch.T
 def shared_prompt_mask(branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, W) branches -> (B, 1, W, W) additive causal mask: a token sees earlier tokens of its
     own branch and the prompt; padding sees padding only."""
-    width = branch.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=branch.device).tril()
     query, key = branch.unsqueeze(2), branch.unsqueeze(1)
-    allowed = causal & ((key == query) | ((key == 0) & (query >= 0)))
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=branch.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    return causal_additive_mask((key == query) | ((key == 0) & (query >= 0)), dtype)
 
 
 def ranked_batch(

@@ -21,7 +21,7 @@ from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import (
     EpochPlan,
-    budget_micro_batches,
+    gather_positions,
     pair_batch,
     ranked_batch,
     row_lengths,
@@ -111,13 +111,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         """This rank's micro batches (rows) of one optimizer step."""
         if not dynamic:  # micro_batch_size pairs each
             return [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
-        by_rank = [plan.rank_rows(epoch, step, r) for r in range(shape.world_size)]
-        micro = budget_micro_batches(
-            [[lengths[i] for i in rows] for rows in by_rank],
-            rank(),
-            budget,
-        )
-        rows = rows_at(train_rows, by_rank[rank()])
+        indices, micro = plan.budget_micro_batches(epoch, step, rank(), lengths, budget)
+        rows = rows_at(train_rows, indices)
         return [[rows[i] for b in bins for i in b] for bins in micro]
 
     if plan.steps_per_epoch == 0:
@@ -296,8 +291,7 @@ def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, tor
             shared_prompt_mask(batch["branch"].to(device), dtype),
             position_ids=batch["packed_positions"].to(device),
         )
-        index = batch["index"].to(device)
-        values = torch.where(index >= 0, packed.reshape(-1)[index.clamp(min=0)], 0.0)
+        values = gather_positions(packed, batch["index"].to(device))
     else:
         values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
     attention_mask, response_mask = (

@@ -21,7 +21,6 @@ from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config, ConfigError
 from rlhf.data.batching import (
     EpochPlan,
-    budget_micro_batches,
     count_targets,
     model_inputs,
     packed_batch,
@@ -102,14 +101,15 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             if cfg.sft.packing:  # the step's rows packed together
                 return packed_sft_batches(micro_rows, pad_id, on_prompt, capacity, pad_to)
             return [sft_batch(rows, pad_id, on_prompt, pad_to) for rows in micro_rows]
-        by_rank = [plan.rank_rows(epoch, step, r) for r in range(shape.world_size)]
-        micro = budget_micro_batches(
-            [[sizes[i] for i in rows] for rows in by_rank],
+        indices, micro = plan.budget_micro_batches(
+            epoch,
+            step,
             rank(),
+            sizes,
             shape.micro_batch_size * capacity,
             capacity if cfg.sft.packing else None,
         )
-        rows = rows_at(train_rows, by_rank[rank()])
+        rows = rows_at(train_rows, indices)
         if cfg.sft.packing:
             return [packed_batch(rows, bins, pad_id, on_prompt) for bins in micro]
         return [sft_batch([rows[i] for b in bins for i in b], pad_id, on_prompt) for bins in micro]
