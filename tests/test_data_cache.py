@@ -137,6 +137,21 @@ def test_an_edited_local_file_is_tokenised_again(tmp_path, pairs_file, tokenizer
     assert "gadget" in decoded, decoded  # ... with the new text
 
 
+def test_a_new_toy_generator_is_tokenised_again(tmp_path, tokenizer, builds, monkeypatch):
+    # toy rows come from code, so no file stamp moves when the generator changes
+    source = SourceConfig(adapter="toy", num_rows=200, train_split="train", eval_split="test")
+    data = DataConfig(sources={"toy": source}, max_seq_len=64, max_prompt_len=32, seed=1234,
+                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    eot = tokenizer.eos_token_id
+    phase_dataset(data, "reward", "train", tokenizer, eot)
+    phase_dataset(data, "reward", "train", tokenizer, eot)
+    assert len(builds) == 1
+    monkeypatch.setattr(pipeline, "TOY_VERSION", pipeline.TOY_VERSION + 1)
+    phase_dataset(data, "reward", "train", tokenizer, eot)
+    assert len(builds) == 2
+    assert len(_dirs(tmp_path / "cache")) == 2
+
+
 def test_phases_and_splits_are_disjoint(tmp_path, pairs_file, tokenizer):
     data = _data(pairs_file, tmp_path / "cache")
     eot = tokenizer.eos_token_id

@@ -27,6 +27,7 @@ import datasets
 from rlhf.config import ConfigError, DataConfig
 from rlhf.data.sources import SourceError, describe, load_pairs
 from rlhf.data.split import phase_indices
+from rlhf.data.toy import GENERATOR_VERSION as TOY_VERSION
 from rlhf.engine import barrier, is_main, world_size
 from rlhf.models import publish_dir
 
@@ -84,6 +85,10 @@ def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_i
     }
     payload = {
         "version": FORMAT_VERSION,
+        # the embedded task's rows come from code, not a file: a new generator is new data
+        "toy_version": TOY_VERSION
+        if any(s.adapter == "toy" for s in data.sources.values())
+        else None,
         "sources": sources,
         "phase": phase,
         "split": split,
