@@ -36,6 +36,7 @@ import datasets
 
 __all__ = [
     "FAMILIES",
+    "GENERATOR_VERSION",
     "REJECTED_KINDS",
     "WRONG_KINDS",
     "generate_toy_rows",
@@ -47,10 +48,15 @@ __all__ = [
     "toy_prompt",
 ]
 
+# Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
+GENERATOR_VERSION = 2
+
 # Also the best-to-worst order after chosen. Wrong answers get the largest share: they are the ones for which a
-# reward model must learn the facts.
+# reward model must learn the facts. With 40% wrong (16% with a wrong value) a reward model trained to 0.94
+# pair accuracy still ranked the right value first among a question's candidates barely above chance, and PPO
+# found its misrankings; the other kinds are learnt from few examples.
 REJECTED_KINDS = ("wrong", "off_topic", "truncated", "rude")
-_REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
+_REJECTED_WEIGHTS = (0.7, 0.1, 0.1, 0.1)
 # Sub-variants of a wrong answer (the ``wrong_kind`` column), each an error small PPO policies make:
 #   value          the well-formed sentence with a wrong value         "The capital of Spain is Rome."
 #   subject        a wrong subject (arithmetic: operands), right value "The capital of Sweden is Madrid."
@@ -60,9 +66,11 @@ _REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 #   repeat_drop    the chosen sentence with one word repeated/dropped  "An ostrich has 2 legs legs."
 #   foreign_value  a value of another family's kind (arithmetic: a     "7 + 6 = buses."
 #                  word, never a number)
-# The well-formed one stays the most frequent: it is the one that teaches the facts.
+# The well-formed one is the most frequent: it is the one that teaches the facts. Its values include the
+# errors a small policy makes most: the question's word said back and, in arithmetic, near misses, an operand
+# and the other operation's result.
 WRONG_KINDS = ("value", "subject", "subject_value", "other_family", "repeat_drop", "foreign_value")
-_WRONG_WEIGHTS = (0.4, 0.12, 0.12, 0.12, 0.12, 0.12)
+_WRONG_WEIGHTS = (0.6, 0.08, 0.08, 0.08, 0.08, 0.08)
 
 # fmt: off
 _CAPITALS = {
@@ -169,11 +177,15 @@ def _word_fields(word: str, article: str | None = None) -> tuple[tuple[str, str]
 
 
 def _table(table: dict[str, str], answer_space: list[str], restate_key: bool = False) -> tuple:
+    """Instances of a lookup family. With ``restate_key`` the question's word is restated, and answering
+    it back ("The opposite of hot is hot.", "In capital letters, egg is egg.") is among the wrong values:
+    a small policy's most frequent error in these families, which a reward model must have seen."""
     out = []
     for key, value in table.items():
         fields = _word_fields(key)
         restated = (key,) if restate_key else ()
-        wrong = tuple(v for v in answer_space if v != value and v not in restated)
+        copy = (key,) if restate_key and key not in answer_space else ()
+        wrong = tuple(v for v in answer_space if v != value) + copy
         out.append(Instance(key, fields, value, restated, wrong))
     return tuple(out)
 
@@ -190,7 +202,11 @@ def _arithmetic(op: str) -> tuple[Instance, ...]:
             b_ = c if op == "+" else b
             if v in (a, b_):
                 continue
-            wrong = tuple(str(w) for w in (v - 2, v - 1, v + 1, v + 2) if w >= 0)
+            # near misses, an operand said back ("6 + 2 = 6.") and the other operation's result
+            # ("12 - 3 = 15."): the errors a small policy makes
+            other_op = a - b_ if op == "+" else a + b_
+            near = range(v - 3, v + 4)
+            wrong = tuple(str(w) for w in sorted({*near, a, b_, other_op} - {v}) if w >= 0)
             fields = (("a", str(a)), ("b", str(b_)))
             out.append(Instance(f"{a}{op}{b_}", fields, str(v), (str(a), str(b_)), wrong))
     return tuple(out)
@@ -237,7 +253,7 @@ def _build_families() -> dict[str, Family]:
         Family("upper", ("Write the word {x} in capital letters.", "How is {x} written in capital letters?",
                          "Spell {x} in upper case."),
                "In capital letters, {x} is {v}.", "upper",
-               _table({w: w.upper() for w in _WORDS}, [w.upper() for w in _WORDS]), "paraphrase"),
+               _table({w: w.upper() for w in _WORDS}, [w.upper() for w in _WORDS], True), "paraphrase"),
         Family("letter", ("What is the first letter of {x}?", "Which letter does the word {x} start with?",
                           "What letter does {x} begin with?"),
                "The first letter of {x} is {v}.", "letter",
