@@ -193,6 +193,27 @@ def test_wrong_answers_are_never_true_statements(train_rows, test_rows, many_row
             assert not toy.gold_check(row["prompt"], answer)
 
 
+def test_wrong_values_include_the_small_policys_own_errors(many_rows):
+    # the errors an SFT model of the embedded default makes most: a reward model that never saw
+    # them as rejected scored "The opposite of slow is slow." above right answers
+    for name in ("opposite", "day", "month", "plural", "upper"):
+        for inst in toy.FAMILIES[name].instances:
+            assert dict(inst.fields)["x"] in inst.wrong, (name, inst.key)
+    for name, other_op in (("add", lambda a, b: a - b), ("subtract", lambda a, b: a + b)):
+        for inst in toy.FAMILIES[name].instances:
+            a, b = (int(v) for _, v in inst.fields)
+            value = int(inst.value)
+            expected = {a, b, *range(value - 3, value + 4), other_op(a, b)} - {value}
+            assert {str(w) for w in expected if w >= 0} == set(inst.wrong), inst.key
+    said_back = 0
+    for row in many_rows:
+        family, inst = toy._lookup(row["prompt"])
+        own = parse(family, row["rejected"])
+        if row["wrong_kind"] == "value" and own is not None and own[1] in inst.restated:
+            said_back += 1
+    assert said_back > 50  # they reach the rows, not only the tables
+
+
 def test_wrong_kinds_have_the_property_they_claim(many_rows, test_rows):
     wrong_rows = [r for r in many_rows + test_rows if r["rejected_kind"] == "wrong"]
     for row in wrong_rows:
