@@ -79,16 +79,18 @@ def _raise_on_every_rank(failure: ConfigError | None) -> None:
 
 
 def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int) -> str:
+    # what each source's rows come from: a local file (its size and mtime) or, for the embedded
+    # task, the code that generates them (its version)
     sources = {
-        name: {**dataclasses.asdict(src), "file": _file_stamp(src.path)}
+        name: {
+            **dataclasses.asdict(src),
+            "file": _file_stamp(src.path),
+            "generator": TOY_VERSION if src.adapter == "toy" else None,
+        }
         for name, src in data.sources.items()
     }
     payload = {
         "version": FORMAT_VERSION,
-        # the embedded task's rows come from code, not a file: a new generator is new data
-        "toy_version": TOY_VERSION
-        if any(s.adapter == "toy" for s in data.sources.values())
-        else None,
         "sources": sources,
         "phase": phase,
         "split": split,
