@@ -26,6 +26,7 @@ from rlhf.models import (
     read_stats,
     scale_value_head,
 )
+from rlhf.reward_functions import RewardFunction
 from rlhf.steps.common import RunInfo
 
 
@@ -33,14 +34,14 @@ class Models(NamedTuple):
     actor: object  # DeepSpeed engine around the causal LM (PEFT-wrapped with LoRA)
     reference: object  # frozen copy of the SFT model
     critic: object  # DeepSpeed engine around a ValueModel, initialised from the reward model
-    reward: object  # frozen reward model (a ValueModel)
+    reward: object  # frozen reward model (a ValueModel), or a RewardFunction
     actor_config: object
     critic_config: object
 
 
 def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
-    their twin's ZeRO stage (or offloaded)."""
+    their twin's ZeRO stage (or offloaded); with ppo.reward_function no reward model is loaded."""
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
 
@@ -86,13 +87,16 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         dtype,
         shape.micro_batch_size,
     )
-    reward = initialize_frozen(
-        load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype),
-        cfg.critic.zero.stage,
-        cfg.critic.offload_twin,
-        dtype,
-        shape.micro_batch_size,
-    )
+    if ppo.reward_function is not None:
+        reward = RewardFunction(ppo.reward_function, tokenizer)
+    else:
+        reward = initialize_frozen(
+            load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype),
+            cfg.critic.zero.stage,
+            cfg.critic.offload_twin,
+            dtype,
+            shape.micro_batch_size,
+        )
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 

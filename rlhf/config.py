@@ -416,6 +416,11 @@ class PPOConfig:
     clip_reward_value: float = 5.0
     # (score - mean) / std with the reward export's eval stats; the critic's head is scaled by 1 / std
     normalize_reward: bool = False
+    # a rule-based reward in place of the reward model (rlhf/reward_functions.py): toy_gold
+    # (1 for an answer the toy task's gold checker accepts, else 0) or package.module:function,
+    # called with the decoded prompts and answers, returning one float per answer. The critic
+    # still starts from critic.model.path (a causal LM there gets a new value head)
+    reward_function: str | None = None
     # advantages
     gamma: float = 1.0
     lam: float = 0.95
@@ -506,6 +511,28 @@ class PPOConfig:
             and not os.path.isfile(self.unsup_source)
         ):
             out.append(("unsup_source", self.unsup_source, "toy or an existing .txt/.jsonl file"))
+        if self.reward_function is not None:
+            from rlhf import reward_functions  # imports torch: only when a function is named
+
+            try:
+                reward_functions.resolve(self.reward_function)
+            except ValueError as err:
+                out.append(
+                    (
+                        "reward_function",
+                        self.reward_function,
+                        f"{reward_functions.ACCEPTED} ({err})",
+                    )
+                )
+            if self.normalize_reward:
+                out.append(
+                    (
+                        "normalize_reward",
+                        True,
+                        "false with ppo.reward_function set (it normalises a reward model's "
+                        "scores by the reward export's statistics)",
+                    )
+                )
         return out
 
 
@@ -568,6 +595,22 @@ class Config:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
         if self.reward.share_prompt and self.data.pad_to_max_len:
             out.append(("reward.share_prompt", True, "false with data.pad_to_max_len=true"))
+        if self.ppo.reward_function == "toy_gold":
+            sources = self.ppo.prompt_sources or list(self.data.sources)
+            others = [
+                n
+                for n in sources
+                if n in self.data.sources and self.data.sources[n].adapter != "toy"
+            ]
+            if others:
+                out.append(
+                    (
+                        "ppo.reward_function",
+                        "toy_gold",
+                        f"PPO prompts from toy sources only (toy_gold checks toy answers; "
+                        f"{', '.join(others)} are not toy)",
+                    )
+                )
         if self.step.name == "ppo":
             for role in ("actor", "critic"):
                 if getattr(self, role).model.path is None:

@@ -18,7 +18,7 @@ from rlhf.data.batching import IGNORE_INDEX, count_targets, eval_shards, pair_ba
 from rlhf.data.pipeline import tokenizer_fingerprint
 from rlhf.data.toy import gold_check
 from rlhf.engine import rank, world_size
-from rlhf.experience import response_logprobs
+from rlhf.experience import response_logprobs, reward_scores
 from rlhf.generation import Rollout, Sampling, decode_responses, generate
 from rlhf.models import load_tokenizer
 from rlhf.steps.common import all_reduce_sum, checkable_rows, model_device, rows_at
@@ -273,11 +273,9 @@ class PPOEvaluator:
         ref_logprobs, _ = response_logprobs(models.reference, sequences, mask, start)
         response_mask = rollout.response_mask.to(device)
         kl = algos.masked_sum(logprobs.float() - ref_logprobs.float(), response_mask, dim=1)
-        full_response = torch.zeros_like(mask, dtype=torch.bool)
-        full_response[:, rollout.prompt_width :] = response_mask
-        scores = algos.sequence_scores(
-            models.reward(sequences, mask), mask, full_response, self.score_position
-        ).float()
+        scores = reward_scores(
+            models.reward, sequences, mask, rollout.prompt_width, response_mask, self.score_position
+        )
         if self.reward_stats is not None:
             scores = (scores - self.reward_stats[0]) / max(self.reward_stats[1], 1e-6)
         return scores.double().cpu(), kl.double().cpu()

@@ -16,6 +16,7 @@ import torch
 from rlhf import algos
 from rlhf.data.batching import RowPacking, pack_rows
 from rlhf.generation import Rollout
+from rlhf.reward_functions import RewardFunction
 from rlhf.steps.common import all_reduce_sum
 
 
@@ -112,6 +113,26 @@ def response_values(
     return sequence_values(critic, sequences, attention_mask, packing)[:, start:-1]
 
 
+def reward_scores(
+    reward_model,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    response_mask: torch.Tensor,
+    score_position: str,
+    packing: RowPacking | None = None,
+) -> torch.Tensor:
+    """(B,) float32 scores of whole answers: the reward model's at ``score_position`` of the
+    answer, or a rule-based RewardFunction's. response_mask: (B, R) the generated answer
+    tokens, before any are masked out of the losses."""
+    if isinstance(reward_model, RewardFunction):
+        return reward_model(sequences, attention_mask, prompt_width, response_mask)
+    full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
+    full_response[:, prompt_width:] = response_mask
+    values = sequence_values(reward_model, sequences, attention_mask, packing)
+    return algos.sequence_scores(values, attention_mask, full_response, score_position).float()
+
+
 def mask_short_answers(
     response_mask: torch.Tensor, min_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,14 +196,15 @@ def _score(
         reference, sequences, attention_mask, start, temperature=temperature, packing=packing
     )
     old_values = response_values(critic, sequences, attention_mask, start, packing).float()
-    full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
-    full_response[:, rollout.prompt_width :] = rollout.response_mask.to(device)
-    scores = algos.sequence_scores(
-        sequence_values(reward_model, sequences, attention_mask, packing),
+    scores = reward_scores(
+        reward_model,
+        sequences,
         attention_mask,
-        full_response,
+        rollout.prompt_width,
+        rollout.response_mask.to(device),
         shaping.score_position,
-    ).float()
+        packing,
+    )
     if shaping.reward_stats is not None:
         mean, std = shaping.reward_stats
         scores = (scores - mean) / max(std, 1e-6)

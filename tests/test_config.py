@@ -171,6 +171,25 @@ def test_step1_sweep_is_deepspeed_chats_grid():
 
 BAD_VALUES = [
     # overrides, key, value as reported, a piece of what is accepted
+    (["ppo.reward_function=nope"], "ppo.reward_function", "'nope'", "module:function"),
+    (
+        ["ppo.reward_function=json:no_such_function"],
+        "ppo.reward_function",
+        "'json:no_such_function'",
+        "json has no callable no_such_function",
+    ),
+    (
+        ["ppo.reward_function=toy_gold", "ppo.normalize_reward=true"],
+        "ppo.normalize_reward",
+        "True",
+        "false with ppo.reward_function set",
+    ),
+    (
+        ["ppo.reward_function=toy_gold", "data=rm-static"],
+        "ppo.reward_function",
+        "'toy_gold'",
+        "rm-static are not toy",
+    ),
     (["zero.stage=5"], "zero.stage", "5", "0, 1, 2, 3"),
     (["lora.rank=-1"], "lora.rank", "-1", ">= 0"),
     (["optim.micro_batch_size=0"], "optim.micro_batch_size", "0", ">= 1"),

@@ -1,7 +1,8 @@
 """PPO end to end on a reduced embedded default: step=all writes every sub-run, a PPO run with EMA
 and PTX logs every contract metric and exports models that reload, multi-epoch PPO measures
-approx-KL and stops early at target_kl, ZeRO-3 on 2 ranks reproduces one ZeRO-0 process, and bad
-input fails with a message naming the key."""
+approx-KL and stops early at target_kl, ZeRO-3 on 2 ranks reproduces one ZeRO-0 process, a
+rule-based reward stands in for the reward model, and bad input fails with a message naming the
+key."""
 
 import json
 import math
@@ -227,6 +228,29 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
     assert zero0["ppo/actor_loss"][0] != 0  # the comparison is of real numbers
     for key in PARITY_KEYS:
         assert zero3[key] == pytest.approx(zero0[key], rel=1e-3, abs=1e-6), key
+
+
+def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_path):
+    sft = pipeline / "sft" / "model"
+    overrides = [
+        "step=ppo",
+        *SMALL,
+        f"actor.model.path={sft}",
+        f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
+        "ppo.reward_function=toy_gold",
+        "ppo.normalize_reward=false",
+        "step.max_steps=4",
+        "step.eval_interval=2",
+        *cache_overrides(cache_dir),
+    ]
+    run_rlhf(overrides, run_dir=tmp_path / "gold", extra_env=ONE_THREAD)
+    evals = _rows(tmp_path / "gold", "eval/gold_accuracy")
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    for row in evals:  # greedy answers: their reward is the gold check of the same answers
+        assert row["eval/reward"] == pytest.approx(row["eval/gold_accuracy"])
+    for row in _rows(tmp_path / "gold", "ppo/reward"):
+        assert 0.0 <= row["ppo/reward"] <= 1.0
+    assert (tmp_path / "gold" / "actor" / "model.safetensors").is_file()
 
 
 def test_ppo_without_actor_path_exits_2_naming_the_key(pipeline, cache_dir, tmp_path):

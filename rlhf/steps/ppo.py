@@ -1,4 +1,5 @@
-"""Step 3: PPO fine-tuning of the SFT model against the reward model.
+"""Step 3: PPO fine-tuning of the SFT model against the reward model (or a rule-based reward,
+``ppo.reward_function``).
 
 DeepSpeed-Chat's step3_rlhf_finetuning, made stable beyond one update per rollout: old
 log-probs and values come from the generating weights with dropout off (PPO disables dropout
@@ -148,7 +149,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
     log.info(
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
-        "critic ZeRO-%d, %d rank(s)",
+        "critic ZeRO-%d, %d rank(s), reward: %s",
         len(prompts),
         total_iterations,
         plan.global_batch_size,
@@ -156,6 +157,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         cfg.actor.zero.stage,
         cfg.critic.zero.stage,
         world_size(),
+        f"function {ppo.reward_function}"
+        if ppo.reward_function
+        else f"model {cfg.critic.model.path}",
     )
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first

@@ -1,0 +1,89 @@
+"""Rule-based rewards for PPO (``ppo.reward_function``), in place of the reward model: what verl
+calls a reward function and OpenRLHF a ``reward_func``. A function takes the decoded prompts and
+answers of a rollout and returns one float per answer; the PPO step adds it at the answer's last
+token exactly where the reward model's score would go.
+
+On a task with a checker this gives the upper bound of what PPO can do with a perfect judge,
+measured with the same loop, so a learned reward model's shortfall can be told apart from the
+optimiser's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlhf.data.toy import gold_check
+
+ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+
+
+def toy_gold(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+    """1.0 for an answer the toy task's gold checker accepts, else 0.0 (so the mean reward is
+    the gold accuracy of the answers)."""
+    return [float(gold_check(p, r)) for p, r in zip(prompts, responses, strict=True)]
+
+
+BUILTIN: dict[str, ScoreFn] = {"toy_gold": toy_gold}
+ACCEPTED = "toy_gold or package.module:function, a callable (prompts, responses) -> floats"
+
+
+def resolve(name: str) -> ScoreFn:
+    """The function a ``ppo.reward_function`` value names; ValueError saying why not."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError("neither a built-in name nor module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # a user module may fail in any way while importing
+        raise ValueError(f"cannot import {module_name} ({type(err).__name__}: {err})") from None
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no callable {attribute}")
+    return fn
+
+
+class RewardFunction:
+    """Scores rollouts by decoding them and calling a rule-based reward function."""
+
+    def __init__(self, name: str, tokenizer):
+        self.name, self.fn, self.tokenizer = name, resolve(name), tokenizer
+
+    def __call__(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_width: int,
+        response_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """sequences, attention_mask: (B, P + R) left-padded prompts then answers;
+        response_mask: (B, R) the answer tokens up to and with end-of-text. Returns (B,) float32
+        scores on the sequences' device."""
+        decode = self.tokenizer.decode
+        prompt_ids, prompt_mask = sequences[:, :prompt_width], attention_mask[:, :prompt_width]
+        prompts = [
+            decode(ids[m.bool()], skip_special_tokens=True)
+            for ids, m in zip(prompt_ids, prompt_mask)
+        ]
+        answers = [
+            decode(ids[m.bool()], skip_special_tokens=True)
+            for ids, m in zip(sequences[:, prompt_width:], response_mask)
+        ]
+        scores = list(self.fn(prompts, answers))
+        if len(scores) != len(answers):
+            raise ValueError(
+                f"ppo.reward_function={self.name} returned {len(scores)} scores for "
+                f"{len(answers)} answers; expected one float per answer"
+            )
+        for i, score in enumerate(scores):
+            if not isinstance(score, int | float) or not math.isfinite(score):
+                raise ValueError(
+                    f"ppo.reward_function={self.name} returned {score!r} for answer {i} "
+                    f"({answers[i]!r}); expected a finite float"
+                )
+        return torch.tensor(scores, dtype=torch.float32, device=sequences.device)
