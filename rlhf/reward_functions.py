@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rlhf.config import ConfigError
 from rlhf.data.toy import gold_check
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
@@ -49,7 +50,8 @@ def resolve(name: str) -> ScoreFn:
 
 
 class RewardFunction:
-    """Scores rollouts by decoding them and calling a rule-based reward function."""
+    """Scores rollouts by decoding them and calling a rule-based reward function. A function
+    that breaks its contract fails with a ConfigError at the first evaluation or rollout."""
 
     def __init__(self, name: str, tokenizer):
         self.name, self.fn, self.tokenizer = name, resolve(name), tokenizer
@@ -76,14 +78,20 @@ class RewardFunction:
         ]
         scores = list(self.fn(prompts, answers))
         if len(scores) != len(answers):
-            raise ValueError(
+            raise ConfigError(
                 f"ppo.reward_function={self.name} returned {len(scores)} scores for "
                 f"{len(answers)} answers; expected one float per answer"
             )
+        values = []
         for i, score in enumerate(scores):
-            if not isinstance(score, int | float) or not math.isfinite(score):
-                raise ValueError(
+            try:
+                value = float(score)  # numpy and 0-d torch scalars too
+            except (TypeError, ValueError):
+                value = math.nan
+            if not math.isfinite(value):
+                raise ConfigError(
                     f"ppo.reward_function={self.name} returned {score!r} for answer {i} "
                     f"({answers[i]!r}); expected a finite float"
                 )
-        return torch.tensor(scores, dtype=torch.float32, device=sequences.device)
+            values.append(value)
+        return torch.tensor(values, dtype=torch.float32, device=sequences.device)

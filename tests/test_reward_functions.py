@@ -1,11 +1,13 @@
 """Rule-based PPO rewards (ppo.reward_function): names resolve or fail saying why, and a
 RewardFunction scores the decoded answers of a left-padded rollout, one float per row."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR
+from rlhf.config import ConfigError
 from rlhf.data import toy
 from rlhf.reward_functions import RewardFunction, resolve, toy_gold
 
@@ -21,6 +23,14 @@ def not_one_per_answer(prompts, responses):
 
 def not_finite(prompts, responses):
     return [float("nan")] * len(responses)
+
+
+def not_a_number(prompts, responses):
+    return ["high"] * len(responses)
+
+
+def numpy_scores(prompts, responses):
+    return list(np.arange(len(responses), dtype=np.float32))
 
 
 def test_names_resolve_to_their_functions():
@@ -85,15 +95,22 @@ def test_toy_gold_scores_the_decoded_answers_of_a_padded_rollout():
     lengths = RewardFunction("tests.test_reward_functions:answer_length", tokenizer)(*batch)
     assert lengths.tolist() == [float(len(a)) for a in answers]  # no pad or end-of-text text
 
+    numpy = RewardFunction("tests.test_reward_functions:numpy_scores", tokenizer)(*batch)
+    assert numpy.tolist() == [0.0, 1.0, 2.0]
+
 
 @pytest.mark.parametrize(
     ("function", "message"),
-    [("not_one_per_answer", "returned 1 scores for 2 answers"), ("not_finite", "returned nan")],
+    [
+        ("not_one_per_answer", "returned 1 scores for 2 answers"),
+        ("not_finite", "returned nan"),
+        ("not_a_number", "returned 'high'"),
+    ],
 )
 def test_a_function_that_breaks_its_contract_fails_naming_it(function, message):
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     batch = _rollout(tokenizer, ["\n\nHuman: hi\n\nAssistant:"] * 2, [" hello", " hi there"])
     name = f"tests.test_reward_functions:{function}"
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         RewardFunction(name, tokenizer)(*batch)
     assert f"ppo.reward_function={name}" in str(err.value) and message in str(err.value)
