@@ -19,7 +19,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config, ConfigError, register_configs, to_config
+from rlhf.config import Config, ConfigError, register_configs
+from rlhf.validate import check_launch, validated
+
+# The recipes (and torch, DeepSpeed, transformers behind them) are imported once the config is
+# valid, so a bad value is reported in about a second.
 
 log = logging.getLogger("rlhf")
 
@@ -36,58 +40,67 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    info_dir = None
     try:
-        config = to_config(cfg)
-        check_launch(config)
+        config = validated(cfg)
+        info_dir = Path(config.run_dir or hydra_cfg.runtime.output_dir)
+        steps = None
+        if config.step.name == "all":
+            from rlhf.steps import all as pipeline
+
+            user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
+            composed = pipeline.compose_steps(config, user, hydra_cfg.job.config_name, info_dir)
+            produced = pipeline.exports(info_dir)
+            steps = {name: (validated(c, produced), _resolved(c)) for name, c in composed.items()}
+        for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
+            check_launch(step_config)
     except ConfigError as err:
         _fail(err)
-    hydra_cfg = HydraConfig.get()
-    info_dir = Path(config.run_dir or hydra_cfg.runtime.output_dir)
     group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None
     return run_step(
-        config,
-        info_dir,
-        hydra_cfg.job.override_dirname or "default",
-        group,
-        OmegaConf.to_container(cfg, resolve=True),
+        config, info_dir, hydra_cfg.job.override_dirname or "default", group, _resolved(cfg), steps
     )
 
 
-def run_step(
-    config: Config, run_dir: Path, run_name: str, group: str | None, resolved: dict
-) -> float | None:
-    """Join the process group and run ``config.step.name``."""
-    from rlhf import engine
-    from rlhf.steps import recipe
-    from rlhf.steps.common import RunInfo, TrainingStopped
+def _resolved(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
 
+
+def run_step(
+    config: Config,
+    run_dir: Path,
+    run_name: str,
+    group: str | None,
+    resolved: dict,
+    steps: dict | None = None,
+) -> float | None:
+    """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``)."""
+    from rlhf import dist, engine
+    from rlhf.steps import all as pipeline
+    from rlhf.steps import ppo, reward, sft
+    from rlhf.steps.loop import RunInfo, TrainingStopped
+
+    recipes = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run}
+    info = RunInfo(run_dir, run_name, group, resolved)
     try:
         device = engine.device_type(config.device)
-        engine.init_distributed(device)  # torn down at exit
-        _quiet_libraries(is_main=engine.is_main())
-        info = RunInfo(run_dir=run_dir, run_name=run_name, group=group, config=resolved)
-        summary = recipe(config.step.name)(config, info)
+        dist.init_distributed(device)  # torn down at exit
+        _quiet_libraries(is_main=dist.is_main())
+        if steps is not None:
+            summary = pipeline.run(steps, info)
+        else:
+            summary = recipes[config.step.name](config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
     except TrainingStopped as stopped:
         print(f"rlhf: {stopped}", file=sys.stderr)
         sys.exit(stopped.exit_code)
     except BaseException:
-        engine.mark_crashed()
+        dist.mark_crashed()
         raise
     gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
-
-
-def check_launch(config: Config) -> None:
-    """Checks that depend on the launch (rank count) or on files, not only on the config:
-    they run before the process group and any model (see rlhf.preflight)."""
-    from rlhf.preflight import check_models, hybrid_engine_problem
-
-    problem = hybrid_engine_problem(config.step.name, config.actor.hybrid_engine, config.device)
-    if problem:
-        raise ConfigError(problem)
-    check_models(config)
 
 
 def _fail(err: ConfigError) -> None:
@@ -112,15 +125,11 @@ def _share_run_time() -> None:
     """Several ranks must agree on the run directory's timestamp: rank 0 sends its clock."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or _RUN_TIME_ENV in os.environ:
         return
-    from rlhf import engine
+    from rlhf import dist, engine
 
     requested = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("device=")), "auto")
-    engine.init_distributed(engine.device_type(requested))
-    stamp = [datetime.now().isoformat()]
-    import torch.distributed
-
-    torch.distributed.broadcast_object_list(stamp, src=0)
-    os.environ[_RUN_TIME_ENV] = stamp[0]
+    dist.init_distributed(engine.device_type(requested))
+    os.environ[_RUN_TIME_ENV] = dist.from_main(datetime.now().isoformat())
 
 
 _START = datetime.now()

@@ -11,6 +11,8 @@ Conventions:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -52,13 +54,16 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / std over the masked positions (unbiased var, eps 1e-8); 0 on masked-out positions.
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, moments: tuple[Any, Any] | None = None
+) -> Tensor:
+    """(x - mean) / (std + 1e-8) over the masked positions; 0 on masked-out positions.
 
-    shift_mean=False adds the mean back: only the scale is normalised.
+    moments: the (mean, var) to normalise by, e.g. of every rank's tokens; default: x's masked mean and
+    unbiased variance. shift_mean=False adds the mean back: only the scale is normalised.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    mean, var = moments if moments is not None else (masked_mean(x, mask), masked_var(x, mask))
+    whitened = (x - mean) / (var**0.5 + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return _clean(whitened, mask)
@@ -86,6 +91,13 @@ def last_true_value(x: Tensor, mask: Tensor) -> Tensor:
     last = last_true_index(mask)
     picked = x.gather(-1, last.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(last >= 0, picked, torch.zeros_like(picked))
+
+
+def token_loss_scale(global_tokens: int, world_size: int, grad_accum: int) -> float:
+    """Factor turning a micro batch's summed token loss into what ``engine.backward`` needs so
+    the step's gradient is that of (sum of all token losses) / (all tokens of the global batch):
+    DeepSpeed divides by grad_accum in backward and averages gradients over ranks."""
+    return world_size * grad_accum / max(global_tokens, 1)
 
 
 # ---------------------------------------------------------------- logits

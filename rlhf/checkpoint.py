@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.engine import barrier, is_main, rank, world_size
+from rlhf.dist import barrier, is_main, rank, world_size
 
 log = logging.getLogger(__name__)
 

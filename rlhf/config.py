@@ -10,7 +10,7 @@ reports every problem with its full key path.
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +94,6 @@ class ModelConfig:
             out.append(("dropout", self.dropout, "null or a probability in [0, 1)"))
         if self.path is None and not self.init:
             out.append(("init", "{}", "OPTConfig arguments when path is null"))
-        if self.path is not None and _looks_local(self.path) and not os.path.isdir(self.path):
-            out.append(("path", self.path, "an existing directory or a hub id"))
         return out
 
 
@@ -103,7 +101,9 @@ class ModelConfig:
 class SourceConfig:
     """One raw dataset: a hub id or a local file, mapped to (prompt, chosen, rejected)."""
 
-    adapter: str = MISSING  # rm-static | full-hh-rlhf | ... | local | toy (see rlhf.data.sources)
+    adapter: str = (
+        MISSING  # rm-static | full-hh-rlhf | ... | local | toy | task (rlhf.data.sources)
+    )
     path: str | None = None  # hub id (adapter's default if null) or local file / save_to_disk dir
     subset: str | None = None  # the hub dataset's config name
     train_split: str = "train"
@@ -114,11 +114,9 @@ class SourceConfig:
     num_rows: int = 0  # toy: rows generated for train (eval gets a tenth); others: cap, 0 = all
     seed: int = 1234  # toy: generator seed
     num_ranked: int = 0  # toy: add a `responses` column of K answers ranked best to worst
-
-    def problems(self) -> list[tuple[str, Any, str]]:
-        from rlhf.data.sources import source_problems
-
-        return source_problems(self)
+    # the task whose checker grades answers to these prompts (eval/gold_accuracy): toy or
+    # package.module:attribute (rlhf.tasks); adapter task: the task that generates the rows
+    task: str | None = None
 
 
 @dataclass
@@ -347,8 +345,6 @@ class RewardConfig:
             out.append(("score_position", self.score_position, "last with loss=divergence_span"))
         if len(self.mse_targets) != 2:
             out.append(("mse_targets", list(self.mse_targets), "two floats: chosen, rejected"))
-        if self.gold_policy is not None and not os.path.isdir(self.gold_policy):
-            out.append(("gold_policy", self.gold_policy, "null or an existing model directory"))
         if self.gold_eval_prompts < 0:
             out.append(("gold_eval_prompts", self.gold_eval_prompts, "an integer >= 0"))
         return out
@@ -505,34 +501,15 @@ class PPOConfig:
             out.append(("max_new_tokens", self.max_new_tokens, "0 (fill max_seq_len) or more"))
         if self.temperature <= 0:
             out.append(("temperature", self.temperature, "a float > 0"))
-        if (
-            self.unsup_coef > 0
-            and self.unsup_source != "toy"
-            and not os.path.isfile(self.unsup_source)
-        ):
-            out.append(("unsup_source", self.unsup_source, "toy or an existing .txt/.jsonl file"))
-        if self.reward_function is not None:
-            from rlhf import reward_functions  # imports torch: only when a function is named
-
-            try:
-                reward_functions.resolve(self.reward_function)
-            except ValueError as err:
-                out.append(
-                    (
-                        "reward_function",
-                        self.reward_function,
-                        f"{reward_functions.ACCEPTED} ({err})",
-                    )
+        if self.reward_function is not None and self.normalize_reward:
+            out.append(
+                (
+                    "normalize_reward",
+                    True,
+                    "false with ppo.reward_function set (it normalises a reward model's "
+                    "scores by the reward export's statistics)",
                 )
-            if self.normalize_reward:
-                out.append(
-                    (
-                        "normalize_reward",
-                        True,
-                        "false with ppo.reward_function set (it normalises a reward model's "
-                        "scores by the reward export's statistics)",
-                    )
-                )
+            )
         return out
 
 
@@ -595,22 +572,6 @@ class Config:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
         if self.reward.share_prompt and self.data.pad_to_max_len:
             out.append(("reward.share_prompt", True, "false with data.pad_to_max_len=true"))
-        if self.ppo.reward_function == "toy_gold":
-            sources = self.ppo.prompt_sources or list(self.data.sources)
-            others = [
-                n
-                for n in sources
-                if n in self.data.sources and self.data.sources[n].adapter != "toy"
-            ]
-            if others:
-                out.append(
-                    (
-                        "ppo.reward_function",
-                        "toy_gold",
-                        f"PPO prompts from toy sources only (toy_gold checks toy answers; "
-                        f"{', '.join(others)} are not toy)",
-                    )
-                )
         if self.step.name == "ppo":
             for role in ("actor", "critic"):
                 if getattr(self, role).model.path is None:
@@ -629,8 +590,8 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+def problem_message(key: str, value: Any, accepted: str) -> str:
+    return f"{key}={value!r}: expected {accepted}"
 
 
 def collect_problems(node: Any, prefix: str = "") -> list[str]:
@@ -638,7 +599,7 @@ def collect_problems(node: Any, prefix: str = "") -> list[str]:
     messages = []
     if hasattr(node, "problems"):
         for key, value, accepted in node.problems():
-            messages.append(f"{prefix}{key}={value!r}: expected {accepted}")
+            messages.append(problem_message(f"{prefix}{key}", value, accepted))
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
             messages += collect_problems(getattr(node, f.name), f"{prefix}{f.name}.")
@@ -648,14 +609,16 @@ def collect_problems(node: Any, prefix: str = "") -> list[str]:
     return messages
 
 
-def to_config(cfg: DictConfig) -> Config:
+def to_config(cfg: DictConfig, *checks: Callable[[Config], list[str]]) -> Config:
     """Resolve and convert the composed config to typed objects, raising ConfigError listing
-    every problem found."""
+    every problem found: the schema's own and those of ``checks`` (each returns messages)."""
     try:
         obj = OmegaConf.to_object(cfg)
     except Exception as err:  # interpolation or conversion errors name the key themselves
         raise ConfigError(str(err)) from None
     messages = collect_problems(obj)
+    for check in checks:
+        messages += check(obj)
     if messages:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(messages))
     return obj

@@ -1,47 +1,24 @@
-"""The DeepSpeed engine: distributed set-up and teardown, the DeepSpeed config as a pure function
-of the Hydra config, the optimizer and scheduler, and ``deepspeed.initialize``."""
+"""The DeepSpeed engine: the device and dtype, the DeepSpeed config as a pure function of the
+Hydra config, the optimizer and scheduler, and ``deepspeed.initialize``."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
-import socket
 import types
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from rlhf.config import ConfigError, LoraConfig, OptimConfig, ZeroConfig
+from rlhf.dist import world_size
 
 log = logging.getLogger(__name__)
 
 # Parameters whose names contain one of these are not weight-decayed (DeepSpeed-Chat's list).
 NO_DECAY_NAMES = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
-
-
-def world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def is_main() -> bool:
-    return rank() == 0
-
-
-def barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def device_type(requested: str) -> str:
@@ -52,48 +29,6 @@ def device_type(requested: str) -> str:
         raise ConfigError("device='cuda': no CUDA device is visible; use device=cpu or auto")
     os.environ.setdefault("DS_ACCELERATOR", requested)
     return requested
-
-
-def init_distributed(device: str, timeout_s: int = 1800) -> None:
-    """Join (or, for a plain ``python -m rlhf``, create) the process group. Launchers (torchrun,
-    deepspeed) set RANK/WORLD_SIZE/MASTER_*; a single process gets a private free port."""
-    import deepspeed
-
-    if torch.distributed.is_initialized():
-        deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
-    atexit.register(teardown)
-
-
-_crashed = False
-
-
-def mark_crashed() -> None:
-    """An exception is on its way out: tear down without waiting for ranks that may be gone."""
-    global _crashed
-    _crashed = True
-
-
-def teardown() -> None:
-    """Barrier then destroy, so no rank exits while another still talks to it (gloo aborts).
-    Runs at exit, not after each job: Hydra's in-process multirun reuses the process group."""
-    if torch.distributed.is_initialized():
-        if not _crashed:
-            torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_dtype(requested: str, device: str) -> str:
@@ -278,3 +213,8 @@ def hybrid_engine_config(max_out_tokens: int) -> dict:
         "pin_parameters": True,
         "tp_gather_partition_size": 8,
     }
+
+
+def model_device(engine) -> torch.device:
+    """Where a (DeepSpeed-wrapped) model's parameters live."""
+    return next(engine.module.parameters()).device

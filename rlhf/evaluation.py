@@ -7,26 +7,42 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf import algos
+from rlhf import algos, tasks
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import IGNORE_INDEX, count_targets, eval_shards, pair_batch, sft_batch
-from rlhf.data.pipeline import tokenizer_fingerprint
-from rlhf.data.toy import gold_check
-from rlhf.engine import rank, world_size
-from rlhf.experience import response_logprobs, reward_scores
-from rlhf.generation import Rollout, Sampling, decode_responses, generate
+from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
+from rlhf.data.pipeline import TASK, tokenizer_fingerprint
+from rlhf.data.sampling import eval_shards
+from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
+from rlhf.engine import model_device
 from rlhf.models import load_tokenizer
-from rlhf.steps.common import all_reduce_sum, checkable_rows, model_device, rows_at
-
-if TYPE_CHECKING:
-    from rlhf.actor_critic import Models
+from rlhf.rl.experience import response_logprobs, reward_scores
+from rlhf.rl.generation import Rollout, Sampling, decode_responses, generate
+from rlhf.rl.models import Models, max_new_tokens
 
 log = logging.getLogger(__name__)
+
+
+def checkable_rows(eval_rows, limit: int) -> list[dict]:
+    """The first ``limit`` eval rows whose source names a task, whose checker grades them."""
+    if TASK not in eval_rows.column_names:
+        return []
+    out = []
+    for i, task in enumerate(eval_rows[TASK]):
+        if len(out) == limit:
+            break
+        if task:
+            row = eval_rows[i]
+            out.append({"prompt": row["prompt"], "prompt_ids": row["prompt_ids"], "task": task})
+    return out
+
+
+def grade(row: dict, answer: str) -> tasks.Grade:
+    """The verdict of the row's task on ``answer``."""
+    return tasks.resolve(row["task"]).grade(row["prompt"], answer)
 
 
 class SFTEvaluator:
@@ -82,7 +98,7 @@ class SFTEvaluator:
             )
             answers = decode_responses(self.tokenizer, rollout)
             for row, answer, ok in zip(rows, answers, valid):
-                correct += ok and gold_check(row["prompt"], answer)
+                correct += ok and grade(row, answer).passed
             self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
         (correct,) = all_reduce_sum(correct)
         return correct / len(self.gold_rows)
@@ -183,15 +199,11 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
         for row, answer, score, ok in zip(batch_rows, answers, batch_scores.tolist(), valid):
             if ok:
                 scores.append(score)
-                gold.append(float(gold_check(row["prompt"], answer)))
+                gold.append(float(grade(row, answer).passed))
     engine.train()
-    gathered = [None] * world_size()
-    if world_size() > 1:
-        torch.distributed.all_gather_object(gathered, (scores, gold))
-    else:
-        gathered = [(scores, gold)]
-    scores = torch.tensor([s for part in gathered for s in part[0]], dtype=torch.float64)
-    gold = torch.tensor([g for part in gathered for g in part[1]], dtype=torch.float64)
+    pairs = gather_lists(list(zip(scores, gold)))
+    scores = torch.tensor([s for s, _ in pairs], dtype=torch.float64)
+    gold = torch.tensor([g for _, g in pairs], dtype=torch.float64)
     corr = torch.corrcoef(torch.stack([scores, gold]))[0, 1].item() if gold.std() > 0 else math.nan
     return {"eval/gold_score_corr": corr, "eval/gold_policy_accuracy": gold.mean().item()}
 
@@ -210,8 +222,6 @@ class PPOEvaluator:
         count = min(cfg.ppo.eval_prompts, len(eval_rows))
         self.rows = gold or rows_at(eval_rows, list(range(count)))
         self.checkable = bool(gold)
-        from rlhf.actor_critic import max_new_tokens
-
         self.sampling = Sampling(
             max_new_tokens(cfg),
             greedy=cfg.ppo.eval_greedy,
@@ -239,7 +249,7 @@ class PPOEvaluator:
             )
             reward, kl = self._score(models, rollout)
             answers = decode_responses(self.tokenizer, rollout)
-            gold = [float(gold_check(r["prompt"], a)) for r, a in zip(rows, answers)]
+            gold = [float(grade(r, a).passed) for r, a in zip(rows, answers)]
             keep = torch.tensor(valid, dtype=torch.float64)
             sums += torch.stack(
                 [

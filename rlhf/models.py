@@ -24,7 +24,9 @@ from transformers import (
 )
 
 from rlhf.config import ConfigError, LoraConfig, ModelConfig
-from rlhf.engine import TORCH_DTYPES, barrier, is_main
+from rlhf.dist import barrier, is_main
+from rlhf.engine import TORCH_DTYPES
+from rlhf.files import publish_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -302,26 +304,8 @@ def export_pretrained(
         tokenizer.save_pretrained(tmp)
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2))
-        if out_dir.exists():
-            old = out_dir.with_name(out_dir.name + f".old{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     barrier()
-
-
-def publish_dir(tmp: Path, out: Path) -> None:
-    """Rename a finished directory into place (atomic: a crash never leaves a half-built one).
-    If a concurrent job (a parallel sweep sharing the cache) got there first, keep theirs: the
-    content is a pure function of the name."""
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if not out.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _round_up(n: int, multiple: int) -> int:

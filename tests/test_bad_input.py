@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
-from rlhf import models, preflight
+from rlhf import models
+from rlhf import validate as preflight
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import ConfigError, DataConfig, ModelConfig, SourceConfig
 from rlhf.data import pipeline
@@ -190,7 +191,7 @@ def test_overlong_prompts_are_counted(policy, tmp_path, tokenizer, caplog):
     assert len(out) == (40 if policy == "truncate" else 36)
     assert all(f"data.overlong_prompts={policy}" in m for m in counted)
     assert ("skipped" if policy == "skip" else "left-truncated") in counted[0]
-    assert list(out[0]) == ["prompt", "prompt_ids", "chosen_ids", "rejected_ids"]
+    assert list(out[0]) == ["prompt", "task", "prompt_ids", "chosen_ids", "rejected_ids"]
 
 
 def test_overlong_policy_is_part_of_the_cache_key(tmp_path, tokenizer):

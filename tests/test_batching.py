@@ -7,15 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.algos import causal_lm_nll_sum
-from rlhf.data.batching import (
-    IGNORE_INDEX,
-    EpochPlan,
-    count_targets,
-    eval_shards,
-    sft_batch,
-    token_loss_scale,
-)
+from rlhf.algos import causal_lm_nll_sum, token_loss_scale
+from rlhf.data.collate import IGNORE_INDEX, count_targets, sft_batch
+from rlhf.data.sampling import EpochPlan, eval_shards
 
 PLANS = [  # (num_rows, micro, world, grad_accum)
     (100, 4, 2, 1),

@@ -9,9 +9,9 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, OPTConfig
 
-from rlhf import bench
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.data.batching import EpochPlan
+from rlhf.data.sampling import EpochPlan
+from rlhf.tools import bench
 from tests.conftest import REPO
 
 

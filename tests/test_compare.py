@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rlhf import compare, sweep_summary
+from rlhf.tools import compare, sweep_summary
 from tests.conftest import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf.config import ConfigError, register_configs, to_config
+from rlhf.config import ConfigError, register_configs
+from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     SWEEPS_DIR,
@@ -47,7 +48,7 @@ def test_every_option_composes_and_validates(group, option, local_file):
         model_dir = local_file.parent
         overrides += [f"actor.model.path={model_dir}", f"critic.model.path={model_dir}"]
     cfg = compose(overrides)
-    to_config(cfg)  # raises ConfigError on any problem
+    validated(cfg)  # raises ConfigError on any problem
     path = CONF_DIR / group / f"{option}.yaml"
     is_global = "@package _global_" in path.read_text().splitlines()[0]
     assert_contains(OmegaConf.load(path), cfg if is_global else cfg[group], group)
@@ -71,16 +72,16 @@ def test_design_groups_have_their_options():
 
 
 def test_default_is_the_embedded_tiny_model_on_toy_data():
-    config = to_config(compose())
+    config = validated(compose())
     assert (config.model.name, config.model.path) == ("tiny", None)
     assert list(config.data.sources) == ["toy"]
 
 
 def test_data_list_blends_sources_in_order():
-    config = to_config(compose(["data=[rm-static,full-hh-rlhf]"]))
+    config = validated(compose(["data=[rm-static,full-hh-rlhf]"]))
     assert list(config.data.sources) == ["rm-static", "full-hh-rlhf"]
     assert [s.adapter for s in config.data.sources.values()] == ["rm-static", "full-hh-rlhf"]
-    reverse = to_config(compose(["data=[full-hh-rlhf,rm-static]"]))
+    reverse = validated(compose(["data=[full-hh-rlhf,rm-static]"]))
     assert list(reverse.data.sources) == ["full-hh-rlhf", "rm-static"]
 
 
@@ -88,7 +89,7 @@ def test_data_list_blends_sources_in_order():
 
 
 def test_experiment_sft_has_the_published_step1_values():
-    c = to_config(compose(["experiment=opt-1.3b-350m", "step=sft"]))
+    c = validated(compose(["experiment=opt-1.3b-350m", "step=sft"]))
     assert (c.step.name, c.model.name, c.model.path) == ("sft", "opt-1.3b", "facebook/opt-1.3b")
     assert c.model.dropout is None  # OPT's own dropout
     assert list(c.data.sources) == [
@@ -112,14 +113,14 @@ def test_experiment_without_a_step_file_still_composes():
     """experiment_step is optional: a step without a file (step=all: each of its steps composes
     its own) gets the shared values only."""
     assert not (CONF_DIR / "experiment_step" / "opt-1.3b-350m" / "all.yaml").exists()
-    c = to_config(compose(["experiment=opt-1.3b-350m", "step=all"]))
+    c = validated(compose(["experiment=opt-1.3b-350m", "step=all"]))
     assert (c.step.name, c.model.name, c.zero.stage) == ("all", "opt-1.3b", 2)
     assert c.optim.lr != 9.65e-6  # sft.yaml's values are not applied
     assert not c.sft.loss_on_prompt
 
 
 def test_command_line_groups_win_over_the_experiment():
-    c = to_config(
+    c = validated(
         compose(["experiment=opt-1.3b-350m", "step=sft", "zero=stage3", "model=opt-350m"])
     )
     assert (c.zero.stage, c.model.name) == (3, "opt-350m")
@@ -141,10 +142,10 @@ def test_sweep_composes_and_every_swept_value_exists(name, tmp_path):
         if compose_sweep(name).step.name == "ppo"
         else []
     )
-    to_config(compose_sweep(name, exports))
+    validated(compose_sweep(name, exports))
     for key, values in params.items():
         for value in values:
-            to_config(compose_sweep(name, [*exports, f"{key}={value}"]))
+            validated(compose_sweep(name, [*exports, f"{key}={value}"]))
 
 
 def test_step1_sweep_is_deepspeed_chats_grid():
@@ -152,12 +153,12 @@ def test_step1_sweep_is_deepspeed_chats_grid():
     assert len(sweep_jobs(params)) == 8  # 8 distinct jobs, so 8 job dirs
     assert params["zero"] == ["stage2", "stage3"]
     assert [v.lower() for v in params["zero.offload"]] == ["false", "true"]
-    base = to_config(compose_sweep("step1"))
+    base = validated(compose_sweep("step1"))
     assert (base.step.name, base.model.name, base.optim.epochs) == ("sft", "opt-1.3b", 16)
     [lora_axis] = set(params) - {"zero", "zero.offload"}
     by_rank = {}
     for value in params[lora_axis]:
-        c = to_config(compose_sweep("step1", [f"{lora_axis}={value}"]))
+        c = validated(compose_sweep("step1", [f"{lora_axis}={value}"]))
         by_rank[c.lora.rank] = c
     assert set(by_rank) == {0, 128}
     full, lora = by_rank[0], by_rank[128]
@@ -233,7 +234,7 @@ BAD_VALUES = [
 def test_bad_value_is_refused_naming_key_value_and_accepted(overrides, key, value, accepted):
     cfg = compose(overrides)  # composes: the type is right, the value is not
     with pytest.raises(ConfigError) as err:
-        to_config(cfg)
+        validated(cfg)
     [line] = [ln for ln in str(err.value).splitlines() if ln.strip().startswith(f"{key}=")]
     assert line.strip().startswith(f"{key}={value}: expected ")
     assert accepted in line
@@ -241,7 +242,7 @@ def test_bad_value_is_refused_naming_key_value_and_accepted(overrides, key, valu
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        to_config(compose(["zero.stage=5", "logger.backend=foo", "optim.lr=-1"]))
+        validated(compose(["zero.stage=5", "logger.backend=foo", "optim.lr=-1"]))
     for key in ("zero.stage", "logger.backend", "optim.lr"):
         assert f"{key}=" in str(err.value)
 

@@ -12,6 +12,7 @@ from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import DataConfig, SourceConfig
 from rlhf.data import pipeline
 from rlhf.data.pipeline import phase_dataset
+from rlhf.tasks import toy
 
 NUM_ROWS = 300
 
@@ -146,7 +147,7 @@ def test_a_new_toy_generator_is_tokenised_again(tmp_path, tokenizer, builds, mon
     phase_dataset(data, "reward", "train", tokenizer, eot)
     phase_dataset(data, "reward", "train", tokenizer, eot)
     assert len(builds) == 1
-    monkeypatch.setattr(pipeline, "TOY_VERSION", pipeline.TOY_VERSION + 1)
+    monkeypatch.setattr(toy.TASK, "version", toy.TASK.version + 1)
     phase_dataset(data, "reward", "train", tokenizer, eot)
     assert len(builds) == 2
     assert len(_dirs(tmp_path / "cache")) == 2

@@ -7,17 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf.data.batching import (
-    EpochPlan,
-    budget_groups,
-    budget_micro_batches,
-    packed_batch,
-    sft_batch,
-    split_groups,
-)
+from rlhf.data.collate import sft_batch
+from rlhf.data.packing import packed_batch
+from rlhf.data.sampling import EpochPlan, budget_groups, budget_micro_batches, split_groups
 from rlhf.steps import reward as reward_step
 from rlhf.steps import sft as sft_step
-from rlhf.steps.common import NonFiniteGuard
+from rlhf.steps.loop import NonFiniteGuard
 from tests.test_fast_paths import PAD, random_rows, tiny_lm, tiny_scorer
 
 MICRO, GRAD_ACCUM, MAX_LEN = 4, 3, 48

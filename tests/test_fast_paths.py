@@ -10,26 +10,28 @@ from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
 from rlhf.algos import causal_lm_nll_sum
-from rlhf.data.batching import (
+from rlhf.data.collate import (
     IGNORE_INDEX,
-    block_causal_mask,
     count_targets,
-    gather_positions,
     left_pad,
+    pair_batch,
+    right_pad,
+    sft_batch,
+)
+from rlhf.data.packing import (
+    block_causal_mask,
+    gather_positions,
     model_inputs,
     pack_bins,
     pack_rows,
     packed_sft_batch,
     packed_sft_batches,
-    pair_batch,
-    right_pad,
-    sft_batch,
     shared_prompt_mask,
     shared_prompt_pair_batch,
 )
-from rlhf.experience import Shaping, make_experience, response_logprobs, response_values
-from rlhf.generation import Sampling, generate
 from rlhf.models import ValueModel
+from rlhf.rl.experience import Shaping, make_experience, response_logprobs, response_values
+from rlhf.rl.generation import Sampling, generate
 
 PAD, VOCAB, MAX_LEN = 1, 96, 48
 CPU = torch.device("cpu")

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
-from rlhf.data.batching import left_pad, right_pad
-from rlhf.experience import (
+from rlhf.data.collate import left_pad, right_pad
+from rlhf.models import ValueModel, scale_value_head
+from rlhf.rl.experience import (
     Experience,
     Shaping,
     concat,
@@ -23,8 +24,7 @@ from rlhf.experience import (
     response_values,
     whiten_advantages,
 )
-from rlhf.generation import Rollout, response_mask
-from rlhf.models import ValueModel, scale_value_head
+from rlhf.rl.generation import Rollout, response_mask
 
 PAD, BOS, EOS = 0, 1, 2
 G = 1e30  # large finite garbage at masked positions

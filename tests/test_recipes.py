@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf.config import Config, ConfigError, register_configs, to_config
+from rlhf.config import Config, ConfigError, register_configs
 from rlhf.steps.all import step_overrides
+from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     SWEEPS_DIR,
@@ -45,7 +46,7 @@ def exports(tmp_path) -> list[str]:
 
 
 def recipe(step: str, *overrides: str) -> Config:
-    return to_config(compose([RECIPE, f"step={step}", *overrides]))
+    return validated(compose([RECIPE, f"step={step}", *overrides]))
 
 
 # --- the step files ------------------------------------------------------------------------------
@@ -136,14 +137,16 @@ def test_sft_step_keeps_the_step1_values():
 def test_step_all_trains_the_reward_model_from_the_base_opt_350m(tmp_path):
     """step=all reads pipeline.* from its own composition (no step file), then composes each step
     from the same overrides: the reward step must keep its OPT-350m."""
-    c = to_config(compose([RECIPE]))
+    c = validated(compose([RECIPE]))
     assert c.step.name == "all" and c.pipeline.reward_from_sft is False
     (tmp_path / "sft" / "model").mkdir(parents=True)  # step=all runs each step after the last
-    reward = recipe("reward", *step_overrides("reward", tmp_path, c.pipeline.reward_from_sft))
+    reward = recipe("reward", *step_overrides("reward", tmp_path, c.pipeline.reward_from_sft, True))
     assert reward.model.path == "facebook/opt-350m"
-    assert reward.reward.gold_policy == str(tmp_path / "sft" / "model")
+    # no extra SFT model is loaded on every rank to correlate scores with gold (PPO's evaluation
+    # reports it on the answers it samples anyway)
+    assert reward.reward.gold_policy is None
     (tmp_path / "reward" / "model").mkdir(parents=True)
-    ppo = recipe("ppo", *step_overrides("ppo", tmp_path, c.pipeline.reward_from_sft))
+    ppo = recipe("ppo", *step_overrides("ppo", tmp_path, c.pipeline.reward_from_sft, True))
     assert ppo.actor.model.path == str(tmp_path / "sft" / "model")
     assert ppo.critic.model.path == str(tmp_path / "reward" / "model")
 
@@ -175,23 +178,23 @@ def test_step2_sweep_is_deepspeed_chats_grid():
     assert [v.lower() for v in axes["zero.offload"]] == ["false", "true"]
     assert len(sweep_jobs(axes)) == 4
     for overrides in ([], [RECIPE]):
-        base = to_config(compose_sweep("step2", overrides))
+        base = validated(compose_sweep("step2", overrides))
         assert base.step.name == "reward"
         for stage in (2, 3):
             for offload in (False, True):
-                job = to_config(
+                job = validated(
                     compose_sweep(
                         "step2", [*overrides, f"zero=stage{stage}", f"zero.offload={offload}"]
                     )
                 )
                 assert (job.zero.stage, job.zero.offload) == (stage, offload)
-    published = to_config(compose_sweep("step2", [RECIPE]))
+    published = validated(compose_sweep("step2", [RECIPE]))
     assert (published.model.name, published.optim.lr, published.model.dropout) == (
         "opt-350m",
         5e-5,
         0.0,
     )
-    other = to_config(compose_sweep("step2", ["model=opt-125m", "data=rm-static"]))
+    other = validated(compose_sweep("step2", ["model=opt-125m", "data=rm-static"]))
     assert (other.model.name, list(other.data.sources)) == ("opt-125m", ["rm-static"])
 
 
@@ -207,7 +210,7 @@ def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
         for stage in (2, 3):
             for offload in (False, True):
                 for lora in axes[lora_axis]:
-                    job = to_config(
+                    job = validated(
                         compose_sweep(
                             "step3",
                             [
@@ -230,9 +233,9 @@ def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
                         assert (lo.alpha, lo.module_filter) == (128, "decoder.layers.")
                         assert not lo.only_optimize_lora and lo.learning_rate == 5e-4
     assert ranks == {0, 128}
-    on_gpu = to_config(compose_sweep("step3", [*exports, RECIPE, "actor.hybrid_engine=true"]))
+    on_gpu = validated(compose_sweep("step3", [*exports, RECIPE, "actor.hybrid_engine=true"]))
     assert on_gpu.actor.hybrid_engine is True and not on_gpu.critic.hybrid_engine
-    published = to_config(compose_sweep("step3", [*exports, RECIPE]))
+    published = validated(compose_sweep("step3", [*exports, RECIPE]))
     assert (published.actor.optim.lr, published.critic.optim.lr) == (9.65e-6, 5e-6)
     assert (published.ppo.prompt_sources, published.ppo.max_new_tokens) == (["rm-static"], 256)
 

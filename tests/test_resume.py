@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.engine import skippable
-from rlhf.steps.common import NonFiniteGuard, TrainingStopped
+from rlhf.steps.loop import NonFiniteGuard, TrainingStopped
 from tests.conftest import FAST, REPO, cache_overrides, read_metrics, read_summary, run_rlhf
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs

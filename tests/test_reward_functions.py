@@ -8,8 +8,10 @@ from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import ConfigError
-from rlhf.data import toy
-from rlhf.reward_functions import RewardFunction, resolve, toy_gold
+from rlhf.rl.rewards import RewardFunction
+from rlhf.tasks import resolve_reward as resolve
+from rlhf.tasks import toy
+from rlhf.tasks.toy import toy_gold
 
 
 def answer_length(prompts, responses):

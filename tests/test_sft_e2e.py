@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config
-from rlhf.data.batching import count_targets, sft_batch
+from rlhf.data.collate import count_targets, sft_batch
 from rlhf.data.pipeline import phase_dataset
-from rlhf.generation import Sampling, decode_responses, generate
 from rlhf.models import end_of_text_id
+from rlhf.rl.generation import Sampling, decode_responses, generate
 from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow

@@ -452,7 +452,7 @@ def test_source_problems_accept_the_recommended_configs(monkeypatch):
 
 
 def test_toy_source():
-    pytest.importorskip("rlhf.data.toy")
+    pytest.importorskip("rlhf.tasks.toy")
     source = SourceConfig(adapter="toy", num_rows=50, seed=3)
     train, eval_, dropped = _both_splits(source, seed=1234)
     assert dropped == 0
@@ -469,7 +469,7 @@ def test_toy_source():
 
 
 def test_toy_eval_can_be_carved_from_train():
-    pytest.importorskip("rlhf.data.toy")
+    pytest.importorskip("rlhf.tasks.toy")
     source = SourceConfig(adapter="toy", num_rows=20, eval_split=None)
     train, eval_, _ = _both_splits(source)
     assert (len(train), len(eval_)) == (18, 2)

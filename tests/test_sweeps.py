@@ -21,8 +21,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlhf import launcher as mechanics
-from rlhf.config import register_configs, to_config
+from rlhf.config import register_configs
+from rlhf.tools import launcher as mechanics
+from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     FAST,
@@ -66,7 +67,7 @@ def test_sweep_file_composes_and_every_swept_value_reaches_the_config(name):
             assert OmegaConf.select(base, key, default="<absent>") != "<absent>", key
         for value in values:
             job = compose_sweep(name, [f"{key}={value}"])
-            to_config(job)  # validates
+            validated(job)  # validates
             if is_group:
                 hydra_cfg = compose_sweep(name, [f"{key}={value}"], hydra_config=True).hydra
                 assert hydra_cfg.runtime.choices[key] == value
@@ -77,21 +78,21 @@ def test_sweep_file_composes_and_every_swept_value_reaches_the_config(name):
 def test_lr_lora_sweeps_the_lora_weights_learning_rate_too():
     ranks = {}
     for lora in ("none", "r8", "r128"):
-        c = to_config(compose_sweep("lr_lora", [f"lora={lora}", "optim.lr=3e-4"]))
+        c = validated(compose_sweep("lr_lora", [f"lora={lora}", "optim.lr=3e-4"]))
         assert c.step.name == "sft" and c.lora.learning_rate is None  # engine: lora lr = optim.lr
         ranks[lora] = c.lora.rank
     assert ranks == {"none": 0, "r8": 8, "r128": 128}
 
 
 def test_seeds_sweep_moves_the_tiny_models_initialisation():
-    inits = {to_config(compose_sweep("seeds", [f"seed={s}"])).model.init_seed for s in (1, 2, 3)}
+    inits = {validated(compose_sweep("seeds", [f"seed={s}"])).model.init_seed for s in (1, 2, 3)}
     assert inits == {1, 2, 3}
-    assert to_config(compose_sweep("seeds")).data.seed == to_config(compose()).data.seed
+    assert validated(compose_sweep("seeds")).data.seed == validated(compose()).data.seed
 
 
 def test_kl_epochs_runs_the_pipeline_or_ppo_on_given_exports(tmp_path):
-    assert to_config(compose_sweep("kl_epochs")).step.name == "all"
-    c = to_config(
+    assert validated(compose_sweep("kl_epochs")).step.name == "all"
+    c = validated(
         compose_sweep(
             "kl_epochs",
             ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"],
@@ -336,7 +337,7 @@ def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_di
         assert Path(row["path"]) == sweep_dir / ",".join(named)
         assert "zero=stage" in Path(row["path"]).name
 
-    from rlhf import compare
+    from rlhf.tools import compare
 
     out = tmp_path / "cmp"
     assert compare.main([str(sweep_dir), "--metrics", "train/loss", "--out", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""The toy task (rlhf.data.toy), its gold checker and the shipped tiny tokenizer."""
+"""The toy task (rlhf.tasks.toy), its gold checker and the shipped tiny tokenizer."""
 
 import random
 import re
@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR, build_tokenizer
-from rlhf.data import toy
+from rlhf.tasks import toy
 
 COLUMNS = {"prompt", "response", "chosen", "rejected", "task", "rejected_kind", "wrong_kind"}
 ARITH = re.compile(r"(\d+) (?:\+|plus|-|minus) (\d+)")

@@ -8,7 +8,7 @@ A job that fails is marked FAILED and the sweep goes on; Hydra's sweeper reports
 rewritten after each job and the table is printed at the end.
 
 Hydra finds this module by scanning the ``hydra_plugins`` namespace package; the mechanics live
-in :mod:`rlhf.launcher`. No ``from __future__ import annotations`` here: Hydra's scanner executes
+in :mod:`rlhf.tools.launcher`. No ``from __future__ import annotations`` here: Hydra's scanner executes
 the module before it is in sys.modules, and dataclasses then cannot resolve string annotations.
 """
 
@@ -26,8 +26,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from rlhf import launcher as mechanics
-from rlhf import sweep_summary
+from rlhf.tools import launcher as mechanics
+from rlhf.tools import sweep_summary
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A byte-level BPE with facebook/opt-*'s conventions, so code written for OPT work
 ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3; BOS = EOS = ``</s>``; every encoding starts with ``</s>`` and no EOS is
 appended; any UTF-8 text round-trips (256 byte symbols, never an unknown). Trained on the toy task's texts plus a
 small English sample below, so toy rows take few tokens and general text is not spelled byte by byte.
-Deterministic: the training text is a pure function of this file and ``rlhf.data.toy``, and the BPE trainer
+Deterministic: the training text is a pure function of this file and ``rlhf.tasks.toy``, and the BPE trainer
 breaks count ties by token ids, so two builds give byte-identical files (tests check it).
 """
 
@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.data import toy
+from rlhf.tasks import toy
 
 # 1280 entries = 260 fixed ones (4 specials + 256 bytes) + 1020 merges: the smallest round size (5 x 256, a
 # GPU-friendly multiple) at which every word and number of the toy task is one token (with its leading space),

@@ -24,18 +24,19 @@ from pathlib import Path
 
 import datasets
 
+from rlhf import tasks
 from rlhf.config import ConfigError, DataConfig
-from rlhf.data.sources import SourceError, describe, load_pairs
+from rlhf.data.sources import SourceError, describe, load_pairs, source_task
 from rlhf.data.split import phase_indices
-from rlhf.data.toy import GENERATOR_VERSION as TOY_VERSION
-from rlhf.engine import barrier, is_main, world_size
-from rlhf.models import publish_dir
+from rlhf.dist import barrier, is_main, world_size
+from rlhf.files import publish_dir
 
 log = logging.getLogger(__name__)
 
 PHASES = ("sft", "reward", "ppo")
-FORMAT_VERSION = 1  # bump when the tokenised layout changes
+FORMAT_VERSION = 2  # bump when the tokenised layout changes
 _SOURCE = "_source"  # temporary column: which source a row came from, for messages
+TASK = "task"  # the task whose checker grades answers to the row's prompt ("": none)
 _OVERLONG = "_overlong"  # temporary column: the prompt was longer than max_prompt_len
 
 
@@ -79,13 +80,13 @@ def _raise_on_every_rank(failure: ConfigError | None) -> None:
 
 
 def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int) -> str:
-    # what each source's rows come from: a local file (its size and mtime) or, for the embedded
-    # task, the code that generates them (its version)
+    # what each source's rows come from: a local file (its size and mtime) or, for a task that
+    # generates them, the version of its generator
     sources = {
         name: {
             **dataclasses.asdict(src),
             "file": _file_stamp(src.path),
-            "generator": TOY_VERSION if src.adapter == "toy" else None,
+            "generator": generator_version(src),
         }
         for name, src in data.sources.items()
     }
@@ -104,6 +105,13 @@ def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_i
         "end_of_text_id": end_of_text_id,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def generator_version(source) -> int | None:
+    """The version of the task that generates ``source``'s rows (None: rows from files)."""
+    if source.adapter not in ("toy", "task"):
+        return None
+    return tasks.resolve(source_task(source)).version
 
 
 def _file_stamp(path: str | None) -> list | None:
@@ -142,7 +150,8 @@ def _build(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: 
         )
         if len(pairs) == 0:
             raise SourceError(no_rows_message(source, phase, split, usable, dropped, data))
-        parts.append(pairs.add_column(_SOURCE, [describe(source)] * len(pairs)))
+        pairs = pairs.add_column(_SOURCE, [describe(source)] * len(pairs))
+        parts.append(pairs.add_column(TASK, [source_task(source) or ""] * len(pairs)))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if split == "eval" and data.max_eval_rows and len(rows) > data.max_eval_rows:
         rows = rows.shuffle(seed=data.seed).select(range(data.max_eval_rows))
@@ -192,8 +201,8 @@ def no_rows_message(
 
 class _Tokenize:
     """Batched map function (a class so ``datasets`` can fingerprint it). Reads ``prompt``,
-    ``chosen``, ``rejected`` (and ``responses``) and the source column; writes ``prompt``,
-    the token ids and the over-long flag."""
+    ``chosen``, ``rejected`` (and ``responses``), the source and the task columns; writes
+    ``prompt``, the token ids, the task and the over-long flag."""
 
     def __init__(
         self,
@@ -250,6 +259,8 @@ class _Tokenize:
             "chosen_ids": self.answer([batch["chosen"][i] for i in keep], lens),
             "rejected_ids": self.answer([batch["rejected"][i] for i in keep], lens),
         }
+        if TASK in batch:
+            out[TASK] = [batch[TASK][i] for i in keep]
         if "responses" in batch:
             out["responses_ids"] = [
                 self.answer(list(batch["responses"][i]), [n] * len(batch["responses"][i]))

@@ -33,9 +33,10 @@ Where the rows come from:
   its eval rows carved from the train split by :func:`rlhf.data.split.train_eval_indices` with
   ``eval_fraction`` and the data seed; the carve happens before the ``num_rows`` cap, so the eval rows do
   not change with the cap.
-- ``toy`` generates ``num_rows`` train rows and ``max(num_rows // 10, 1)`` eval rows from the toy task's
-  held-out ``test`` instance space, so eval prompts are never train prompts (its ``task``,
-  ``rejected_kind`` and ``wrong_kind`` columns are not kept; the gold checker reads the prompt).
+- ``task`` (and ``toy``, the toy task's) generates ``num_rows`` train rows and ``max(num_rows // 10, 1)``
+  eval rows with the task named by ``task`` (:mod:`rlhf.tasks`), from its held-out ``test`` split, so eval
+  prompts are never train prompts. Any other source may name a ``task`` too: its checker then grades the
+  answers to that source's prompts (``eval/gold_accuracy``). Extra columns of a task's rows are not kept.
 
 Bad files fail with a :class:`SourceError` (a ConfigError: ``error: ...``, exit status 2) that names
 the file and line: bytes that are not UTF-8 (``datasets`` would load them and fail on first access),
@@ -58,6 +59,7 @@ from typing import Any
 
 import datasets
 
+from rlhf import tasks
 from rlhf.config import ConfigError
 from rlhf.data.split import train_eval_indices
 
@@ -81,7 +83,7 @@ Row = dict[str, Any]
 class Adapter:
     """How one raw dataset becomes (prompt, chosen, rejected) rows."""
 
-    hub_id: str | None  # default path; None: local files only (local) or generated (toy)
+    hub_id: str | None  # default path; None: local files only (local) or generated (toy, task)
     required_columns: tuple[str, ...]  # raw columns to_pair reads
     to_pair: Callable[[Row], Row | None]  # a raw row -> schema row, or None to skip it
     train_split: str = "train"
@@ -111,8 +113,9 @@ def dahoas_pair(row: Row) -> Row | None:
     return _pair(row["prompt"], row["chosen"], row["rejected"])
 
 
-def toy_pair(row: Row) -> Row | None:
-    """The toy task: rm-static's schema, plus the ranked ``responses`` when generated."""
+def task_pair(row: Row) -> Row | None:
+    """A task's generated rows (the toy task's too): rm-static's schema, plus the ranked
+    ``responses`` when generated."""
     pair = _pair(row["prompt"], row["chosen"], row["rejected"])
     if pair is not None and row.get("responses"):
         pair["responses"] = list(row["responses"])
@@ -236,8 +239,10 @@ ADAPTERS: dict[str, Adapter] = {
         splits=("train", "validation", "test"),
     ),
     "local": Adapter(None, ("prompt",), local_pair, splits=()),
-    "toy": Adapter(None, ("prompt", "chosen", "rejected"), toy_pair),
+    "toy": Adapter(None, ("prompt", "chosen", "rejected"), task_pair),
+    "task": Adapter(None, ("prompt", "chosen", "rejected"), task_pair),
 }
+GENERATED = ("toy", "task")  # adapters whose rows a task generates
 
 
 # --- fast checks ---------------------------------------------------------------------------------
@@ -263,7 +268,7 @@ def _is_usable_local(path: str) -> bool:
 def _split_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
     """Split names the hub dataset (or the toy generator) does not have."""
     out = []
-    where = adapter.hub_id or "the toy task"
+    where = adapter.hub_id or "a task's generator"
     if source.train_split not in adapter.splits:
         out.append(("train_split", source.train_split, f"one of {', '.join(adapter.splits)}"))
     if source.eval_split is not None and source.eval_split not in adapter.splits:
@@ -274,8 +279,8 @@ def _split_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]
 
 def _path_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
     path = source.path
-    if source.adapter == "toy":
-        out = [] if path is None else [("path", path, "null (the toy task is generated)")]
+    if source.adapter in GENERATED:
+        out = [] if path is None else [("path", path, "null (a task generates the rows)")]
         return out + _split_problems(source, adapter)
     if source.adapter == "local" and path is None:
         return [("path", None, PATH_ACCEPTED)]
@@ -304,6 +309,19 @@ def _mapping_problems(source: Any) -> list[tuple[str, Any, str]]:
     return out
 
 
+def _task_problems(source: Any) -> list[tuple[str, Any, str]]:
+    if source.adapter == "task" and not source.task:
+        return [("task", source.task, f"a task to generate the rows: {tasks.ACCEPTED}")]
+    if source.adapter == "toy" and source.task not in (None, "toy"):
+        return [("task", source.task, "null or toy (adapter toy is the toy task's rows)")]
+    if source.task:
+        try:
+            tasks.resolve(source.task)
+        except tasks.TaskError as err:
+            return [("task", source.task, f"{tasks.ACCEPTED} ({err})")]
+    return []
+
+
 def source_problems(source: Any) -> list[tuple[str, Any, str]]:
     """Fast checks of a SourceConfig (no loading, no network): (key, value, what is accepted)."""
     adapter = ADAPTERS.get(source.adapter)
@@ -312,13 +330,14 @@ def source_problems(source: Any) -> list[tuple[str, Any, str]]:
     out = []
     if source.num_rows < 0:
         out.append(("num_rows", source.num_rows, "an integer >= 0 (0: all rows)"))
-    elif source.adapter == "toy" and source.num_rows < 10:
-        out.append(("num_rows", source.num_rows, "an integer >= 10 (toy train rows to generate)"))
+    elif source.adapter in GENERATED and source.num_rows < 10:
+        out.append(("num_rows", source.num_rows, "an integer >= 10 (train rows to generate)"))
     if not 0.0 < source.eval_fraction < 1.0:
         out.append(("eval_fraction", source.eval_fraction, "a float in (0, 1)"))
-    ranked_max = 5 if source.adapter == "toy" else 0
+    ranked_max = 5 if source.adapter in GENERATED else 0
     if not 0 <= getattr(source, "num_ranked", 0) <= ranked_max:
         out.append(("num_ranked", source.num_ranked, f"an integer in 0..{ranked_max} (toy only)"))
+    out += _task_problems(source)
     if source.eval_split is not None and source.eval_split == source.train_split:
         out.append(("eval_split", source.eval_split, "another split than train_split, or null"))
     return out + _mapping_problems(source) + _path_problems(source, adapter)
@@ -424,11 +443,16 @@ def _named_split(source: Any, tables: datasets.DatasetDict, name: str) -> datase
     return tables[name]
 
 
-def _toy_split(source: Any, name: str) -> datasets.Dataset:
-    from rlhf.data.toy import toy_dataset  # the toy task imports heavier helpers; load on demand
+def source_task(source: Any) -> str | None:
+    """The task whose checker grades answers to ``source``'s prompts (adapter toy: toy)."""
+    return source.task or ("toy" if source.adapter == "toy" else None)
 
+
+def _task_split(source: Any, name: str) -> datasets.Dataset:
+    """Rows a task generates: ``num_rows`` for train, a tenth of that for the test split."""
     size = source.num_rows if name == source.train_split else max(source.num_rows // 10, 1)
-    return toy_dataset(name, size, source.seed, num_ranked=source.num_ranked)
+    task = tasks.resolve(source_task(source))
+    return datasets.Dataset.from_list(task.rows(name, size, source.seed, source.num_ranked))
 
 
 def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:
@@ -438,8 +462,8 @@ def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:
     tables = _open_local(source) if local else None
     carve = source.eval_split is None or isinstance(tables, datasets.Dataset)
     name = source.train_split if split == "train" or carve else source.eval_split
-    if source.adapter == "toy":
-        data = _toy_split(source, name)
+    if source.adapter in GENERATED:
+        data = _task_split(source, name)
     elif tables is None:
         data = datasets.load_dataset(source.path or adapter.hub_id, source.subset, split=name)
     elif isinstance(tables, datasets.Dataset):
@@ -449,7 +473,7 @@ def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:
     if carve:
         train_idx, eval_idx = train_eval_indices(len(data), source.eval_fraction, seed)
         data = data.select(train_idx if split == "train" else eval_idx)
-    if source.num_rows > 0 and source.adapter != "toy":
+    if source.num_rows > 0 and source.adapter not in GENERATED:
         data = data.select(range(min(source.num_rows, len(data))))
     return data
 

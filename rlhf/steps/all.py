@@ -1,8 +1,12 @@
 """step=all: SFT -> reward -> PPO, each a sub-run in <run_dir>/{sft,reward,ppo} reading the
 previous step's exports. Each step's config is composed anew from the same command-line
 overrides with ``step=<name>``, so step-specific defaults (conf/step/*.yaml, an experiment's
-per-step file) apply exactly as in a single-step run. Re-running in the same run dir
-(``hydra.run.dir=...``) skips the steps whose outputs are complete."""
+per-step file) apply exactly as in a single-step run; every step's config is composed (and,
+by the entry point, validated) before the first one runs. Re-running in the same run dir
+(``hydra.run.dir=...``) skips the steps whose outputs are complete.
+
+With ``ppo.reward_function`` set no reward model is used, so none is trained: the pipeline is
+SFT -> PPO and the critic starts from the SFT export."""
 
 from __future__ import annotations
 
@@ -11,35 +15,57 @@ import logging
 from pathlib import Path
 
 from hydra import compose
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
-from rlhf.config import Config, ConfigError, to_config
-from rlhf.engine import is_main
-from rlhf.preflight import hybrid_engine_problem
-from rlhf.steps import recipe
-from rlhf.steps.common import RunInfo
+from rlhf.config import Config
+from rlhf.dist import is_main
+from rlhf.steps import ppo, reward, sft
+from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain
 
 log = logging.getLogger(__name__)
 
-ORDER = ("sft", "reward", "ppo")
+RECIPES = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run}
 EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor", "critic")}
 
 
-def step_overrides(step: str, run_dir: Path, reward_from_sft: bool) -> list[str]:
+def pipeline(uses_reward_model: bool) -> tuple[str, ...]:
+    """The steps of step=all, in order."""
+    return ("sft", "reward", "ppo") if uses_reward_model else ("sft", "ppo")
+
+
+def step_overrides(step: str, run_dir: Path, reward_from_sft: bool, with_reward: bool) -> list[str]:
     """How each step reads the previous exports."""
     sft_model = run_dir / "sft" / "model"
     if step == "reward":
-        return [f"reward.gold_policy={sft_model}"] + (
-            [f"model.path={sft_model}"] if reward_from_sft else []
-        )
+        return [f"model.path={sft_model}"] if reward_from_sft else []
     if step == "ppo":
-        return [
-            f"actor.model.path={sft_model}",
-            f"critic.model.path={run_dir / 'reward' / 'model'}",
-        ]
+        critic = run_dir / "reward" / "model" if with_reward else sft_model
+        return [f"actor.model.path={sft_model}", f"critic.model.path={critic}"]
     return []
+
+
+def compose_steps(
+    config: Config, user_overrides: list[str], config_name: str, run_dir: Path
+) -> dict[str, DictConfig]:
+    """Each step's composed config, in pipeline order (``user_overrides``: the command line's,
+    without ``step=`` and ``hydra.`` ones)."""
+
+    def composed(step: str, extra: list[str]) -> DictConfig:
+        return compose(config_name=config_name, overrides=[*user_overrides, f"step={step}", *extra])
+
+    with_reward = composed("ppo", []).ppo.reward_function is None
+    return {
+        step: composed(
+            step, step_overrides(step, run_dir, config.pipeline.reward_from_sft, with_reward)
+        )
+        for step in pipeline(with_reward)
+    }
+
+
+def exports(run_dir: Path) -> tuple[Path, ...]:
+    """The directories the pipeline's steps export (later steps read them)."""
+    return tuple(run_dir / step / name for step, names in EXPORTS.items() for name in names)
 
 
 def is_complete(step_dir: Path, step: str) -> bool:
@@ -49,37 +75,21 @@ def is_complete(step_dir: Path, step: str) -> bool:
     return (step_dir / "summary.json").exists() and all(p.exists() for p in exports)
 
 
-def run(cfg: Config, info: RunInfo) -> dict[str, float]:
-    hydra_cfg = HydraConfig.get()
-    user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
+def run(steps: dict[str, tuple[Config, dict]], info: RunInfo) -> dict[str, float]:
+    """Run the pipeline: ``steps`` maps each step to its typed and resolved config."""
+    if "reward" not in steps:
+        log.info("step=all: ppo.reward_function is set, so no reward model is trained (sft -> ppo)")
     group = info.group or info.run_dir.name
-    # PPO's settings come from its own composition (an experiment's ppo file may turn on the
-    # hybrid engine): check them before hours of SFT and reward training.
-    ppo_cfg = compose(config_name=hydra_cfg.job.config_name, overrides=[*user, "step=ppo"])
-    problem = hybrid_engine_problem("ppo", ppo_cfg.actor.hybrid_engine, ppo_cfg.device)
-    if problem:
-        raise ConfigError(problem)
     summary: dict[str, float] = {}
-    for step in ORDER:
+    for step, (config, resolved) in steps.items():
         step_dir = info.run_dir / step
         if is_complete(step_dir, step):
             log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
             result = json.loads((step_dir / "summary.json").read_text())
         else:
-            overrides = [
-                *user,
-                f"step={step}",
-                *step_overrides(step, info.run_dir, cfg.pipeline.reward_from_sft),
-            ]
-            composed = compose(config_name=hydra_cfg.job.config_name, overrides=overrides)
             log.info("step=all: running %s in %s", step, step_dir)
-            step_info = RunInfo(
-                run_dir=step_dir,
-                run_name=f"{info.run_name}/{step}",
-                group=group,
-                config=OmegaConf.to_container(composed, resolve=True),
-            )
-            result = recipe(step)(to_config(composed), step_info)
+            step_info = RunInfo(step_dir, f"{info.run_name}/{step}", group, resolved)
+            result = RECIPES[step](config, step_info)
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
         info.run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,20 +19,17 @@ from tqdm.auto import tqdm
 from transformers import set_seed
 
 from rlhf import algos, checkpoint
-from rlhf.actor_critic import Models, build_models, export_models, max_new_tokens
+from rlhf.algos import token_loss_scale
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import EpochPlan, pack_rows, token_loss_scale
+from rlhf.data.packing import pack_rows
 from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
-from rlhf.data.ptx import PTXBatches
-from rlhf.ema import EMA
-from rlhf.engine import (
-    device_type,
-    rank,
-    resolve_dtype,
-    world_size,
-)
+from rlhf.data.sampling import EpochPlan
+from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
+from rlhf.engine import device_type, model_device, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
-from rlhf.experience import (
+from rlhf.models import end_of_text_id, load_tokenizer, read_stats
+from rlhf.rl.ema import EMA
+from rlhf.rl.experience import (
     Experience,
     Shaping,
     concat,
@@ -42,26 +39,19 @@ from rlhf.experience import (
     rollout_metrics,
     whiten_advantages,
 )
-from rlhf.generation import Sampling, generate
-from rlhf.models import (
-    end_of_text_id,
-    load_tokenizer,
-    read_stats,
-)
-from rlhf.preflight import hybrid_engine_problem
-from rlhf.steps.common import (
+from rlhf.rl.generation import Sampling, generate
+from rlhf.rl.models import Models, build_models, export_models, max_new_tokens
+from rlhf.rl.ptx import PTXBatches
+from rlhf.steps.loop import (
     NonFiniteGuard,
     RunInfo,
     StopRequest,
     Throughput,
     TrainingStopped,
     TrainState,
-    all_reduce_sum,
     checkpoint_due,
     eval_due,
     inject_faults,
-    max_over_ranks,
-    model_device,
 )
 from rlhf.tracking import Tracker, peak_memory_gb
 
@@ -72,9 +62,6 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     started = time.perf_counter()
     ppo = cfg.ppo
     device = device_type(cfg.device)
-    problem = hybrid_engine_problem("ppo", cfg.actor.hybrid_engine, device)
-    if problem:
-        raise ConfigError(problem)
     dtype = resolve_dtype(cfg.actor.model.dtype, device)
     set_seed(cfg.seed)
 
@@ -304,7 +291,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 5. final evaluation, exports, summary
     final = log_eval()
     if cfg.step.save_model:
-        export_models(models, ema, cfg, tokenizer, info)
+        export_models(models, ema, cfg, tokenizer, info.run_dir)
     summary = {
         **final,
         **{k: v for k, v in tracker.summary_metrics.items() if k.startswith("ppo/")},

@@ -19,25 +19,12 @@ from transformers import AutoModelForSequenceClassification, set_seed
 
 from rlhf import algos, checkpoint
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import (
-    EpochPlan,
-    gather_positions,
-    pair_batch,
-    ranked_batch,
-    row_lengths,
-    shared_prompt_mask,
-    shared_prompt_pair_batch,
-)
+from rlhf.data.collate import pair_batch, ranked_batch, rows_at
+from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
 from rlhf.data.pipeline import phase_dataset
-from rlhf.engine import (
-    BatchShape,
-    device_type,
-    ds_config,
-    initialize,
-    rank,
-    resolve_dtype,
-    world_size,
-)
+from rlhf.data.sampling import EpochPlan, row_lengths
+from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
+from rlhf.engine import BatchShape, device_type, ds_config, initialize, model_device, resolve_dtype
 from rlhf.evaluation import PairEvaluator, gold_correlation
 from rlhf.models import (
     STATS_FILE,
@@ -48,20 +35,16 @@ from rlhf.models import (
     load_value_model,
     model_path,
 )
-from rlhf.steps.common import (
+from rlhf.steps.loop import (
     NonFiniteGuard,
     RunInfo,
     StopRequest,
     Throughput,
     TrainingStopped,
     TrainState,
-    all_reduce_sum,
     checkpoint_due,
     eval_due,
     inject_faults,
-    max_over_ranks,
-    model_device,
-    rows_at,
 )
 from rlhf.tracking import Tracker, peak_memory_gb
 

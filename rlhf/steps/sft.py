@@ -17,28 +17,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, set_seed
 
 from rlhf import checkpoint
-from rlhf.algos import causal_lm_nll_sum
+from rlhf.algos import causal_lm_nll_sum, token_loss_scale
 from rlhf.config import Config, ConfigError
-from rlhf.data.batching import (
-    EpochPlan,
-    count_targets,
-    model_inputs,
-    packed_batch,
-    packed_sft_batches,
-    row_lengths,
-    sft_batch,
-    token_loss_scale,
-)
+from rlhf.data.collate import count_targets, rows_at, sft_batch
+from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
 from rlhf.data.pipeline import phase_dataset
-from rlhf.engine import (
-    BatchShape,
-    device_type,
-    ds_config,
-    initialize,
-    rank,
-    resolve_dtype,
-    world_size,
-)
+from rlhf.data.sampling import EpochPlan, row_lengths
+from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
+from rlhf.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
 from rlhf.evaluation import SFTEvaluator
 from rlhf.models import (
     apply_lora,
@@ -48,19 +34,16 @@ from rlhf.models import (
     load_tokenizer,
     model_path,
 )
-from rlhf.steps.common import (
+from rlhf.steps.loop import (
     NonFiniteGuard,
     RunInfo,
     StopRequest,
     Throughput,
     TrainingStopped,
     TrainState,
-    all_reduce_sum,
     checkpoint_due,
     eval_due,
     inject_faults,
-    max_over_ranks,
-    rows_at,
 )
 from rlhf.tracking import Tracker, peak_memory_gb
 

@@ -32,7 +32,7 @@ from typing import Any
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
-from rlhf.sweep_summary import JOB_FILE, LOG_FILE
+from rlhf.tools.sweep_summary import JOB_FILE, LOG_FILE
 
 log = logging.getLogger(__name__)
 

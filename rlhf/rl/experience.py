@@ -7,17 +7,16 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from rlhf import algos
-from rlhf.data.batching import RowPacking, pack_rows
-from rlhf.generation import Rollout
-from rlhf.reward_functions import RewardFunction
-from rlhf.steps.common import all_reduce_sum
+from rlhf.data.packing import RowPacking, pack_rows
+from rlhf.dist import all_reduce_sum
+from rlhf.rl.generation import Rollout
+from rlhf.rl.rewards import RewardFunction
 
 
 class Experience(NamedTuple):
@@ -248,9 +247,11 @@ def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
         )
     total, count, squares = all_reduce_sum(total, count, squares)
     mean = total / max(count, 1.0)
-    std = math.sqrt(max(squares / max(count, 1.0) - mean**2, 0.0)) + 1e-8
+    var = max(squares / max(count, 1.0) - mean**2, 0.0)
     return [
-        e._replace(advantages=torch.where(e.response_mask, (e.advantages - mean) / std, 0.0))
+        e._replace(
+            advantages=algos.masked_whiten(e.advantages, e.response_mask, moments=(mean, var))
+        )
         for e in experiences
     ]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.engine import is_main
+from rlhf.dist import is_main
 
 
 class EMA:

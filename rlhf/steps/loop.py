@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf.data.toy import gold_answer
-from rlhf.engine import rank, world_size
+from rlhf.dist import all_ranks, max_over_ranks, rank
 
 log = logging.getLogger(__name__)
 
@@ -74,51 +73,12 @@ class Throughput:
         }
 
 
-def all_reduce_sum(*values: float) -> list[float]:
-    """Sum scalars over ranks (float64, so token counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if world_size() > 1:
-        torch.distributed.all_reduce(tensor)
-    return tensor.tolist()
-
-
-def model_device(engine) -> torch.device:
-    return next(engine.module.parameters()).device
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def rows_at(dataset, indices: list[int]) -> list[dict]:
-    columns = dataset[indices]
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
-
-
-def checkable_rows(eval_rows, limit: int) -> list[dict]:
-    """The first ``limit`` eval rows whose prompt has a gold answer (the toy task's)."""
-    out = []
-    for i, prompt in enumerate(eval_rows["prompt"]):
-        if len(out) == limit:
-            break
-        if gold_answer(prompt) is not None:
-            out.append({"prompt": prompt, "prompt_ids": eval_rows[i]["prompt_ids"]})
-    return out
-
-
 def eval_due(eval_interval: int, state: TrainState, total_steps: int) -> bool:
     if state.global_step == total_steps:
         return False  # the final evaluation follows
     if eval_interval:
         return state.global_step % eval_interval == 0
     return state.step_in_epoch == 0  # end of an epoch
-
-
-def max_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if world_size() > 1:
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor.item()
 
 
 class TrainingStopped(Exception):
@@ -164,11 +124,7 @@ class NonFiniteGuard:
 
     def finite(self, loss: torch.Tensor) -> bool:
         """Call before backward; False means: skip this backward (all ranks get the same)."""
-        ok = bool(torch.isfinite(loss.detach()).all())
-        if world_size() > 1:
-            flag = torch.tensor([float(ok)])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            ok = bool(flag.item())
+        ok = all_ranks(bool(torch.isfinite(loss.detach()).all()))
         if not ok and not self._poisoned:
             self._poisoned = True
             for engine in self.engines:

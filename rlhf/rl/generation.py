@@ -18,7 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlhf.data.batching import left_pad
+from rlhf.data.collate import left_pad
 
 
 @dataclass(frozen=True)

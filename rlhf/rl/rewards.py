@@ -3,50 +3,20 @@ calls a reward function and OpenRLHF a ``reward_func``. A function takes the dec
 answers of a rollout and returns one float per answer; the PPO step adds it at the answer's last
 token exactly where the reward model's score would go.
 
-On a task with a checker this gives the upper bound of what PPO can do with a perfect judge,
+A task may offer its own (the toy task's ``toy_gold`` is its gold checker as a 0/1 reward). On a
+task with a checker this gives the upper bound of what PPO can do with a perfect judge,
 measured with the same loop, so a learned reward model's shortfall can be told apart from the
 optimiser's.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable, Sequence
 
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.data.toy import gold_check
-
-ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
-
-
-def toy_gold(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """1.0 for an answer the toy task's gold checker accepts, else 0.0 (so the mean reward is
-    the gold accuracy of the answers)."""
-    return [float(gold_check(p, r)) for p, r in zip(prompts, responses, strict=True)]
-
-
-BUILTIN: dict[str, ScoreFn] = {"toy_gold": toy_gold}
-ACCEPTED = "toy_gold or package.module:function, a callable (prompts, responses) -> floats"
-
-
-def resolve(name: str) -> ScoreFn:
-    """The function a ``ppo.reward_function`` value names; ValueError saying why not."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
-        raise ValueError("neither a built-in name nor module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # a user module may fail in any way while importing
-        raise ValueError(f"cannot import {module_name} ({type(err).__name__}: {err})") from None
-    fn = getattr(module, attribute, None)
-    if not callable(fn):
-        raise ValueError(f"{module_name} has no callable {attribute}")
-    return fn
+from rlhf.tasks import resolve_reward
 
 
 class RewardFunction:
@@ -54,7 +24,7 @@ class RewardFunction:
     that breaks its contract fails with a ConfigError at the first evaluation or rollout."""
 
     def __init__(self, name: str, tokenizer):
-        self.name, self.fn, self.tokenizer = name, resolve(name), tokenizer
+        self.name, self.fn, self.tokenizer = name, resolve_reward(name), tokenizer
 
     def __call__(
         self,

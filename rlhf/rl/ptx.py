@@ -4,26 +4,28 @@ update (DeepSpeed-Chat's unsup_coef), so RLHF does not erode what pretraining ta
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
-from rlhf import algos
+from rlhf import algos, tasks
 from rlhf.config import Config
-from rlhf.data.batching import right_pad
-from rlhf.data.toy import toy_corpus
-from rlhf.engine import rank, world_size
-from rlhf.steps.common import model_device
+from rlhf.data.collate import right_pad
+from rlhf.dist import rank, world_size
+from rlhf.engine import model_device
 
 
 class PTXBatches:
-    """Unsupervised language modelling text for the PTX loss (the toy task's statements on the
-    embedded default), cycled in per_device_training_batch_size chunks."""
+    """Unsupervised language modelling text for the PTX loss (a task's corpus, the toy task's
+    statements on the embedded default, or a file), cycled in per_device_training_batch_size
+    chunks."""
 
     def __init__(self, cfg: Config, tokenizer, eot: int):
+        source = cfg.ppo.unsup_source
         texts = (
-            toy_corpus(cfg.ppo.unsup_rows, cfg.data.seed)
-            if cfg.ppo.unsup_source == "toy"
-            else _read_texts(cfg.ppo.unsup_source, cfg.ppo.unsup_rows)
+            _read_texts(source, cfg.ppo.unsup_rows)
+            if os.path.isfile(source)
+            else tasks.corpus(tasks.resolve(source), cfg.ppo.unsup_rows, cfg.data.seed)
         )
         ids = tokenizer(texts, truncation=True, max_length=cfg.data.max_seq_len - 1)["input_ids"]
         self.rows = [[*row, eot] for row in ids]

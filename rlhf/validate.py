@@ -1,5 +1,10 @@
-"""Cheap checks of the models a step will load, run by ``check_launch`` before the process
-group exists and before any weights are read: each local model directory must hold a
+"""Checks that need more than the schema, run before the process group exists and before any
+weights are read: the data sources (adapters, files, tasks), a named reward function or PTX
+source, the hybrid engine on this machine, and the models a step will load.
+
+:func:`validated` converts a composed config and reports every problem of the schema and of
+these checks at once. The model checks: each local model directory must hold a
+``config.json``; each local model directory must hold a
 ``config.json``; a model the step trains or samples as a causal LM must not be a reward model
 (a ``*ForSequenceClassification`` export); and its tokenizer must not have more tokens than the
 model has embeddings (``model.tokenizer`` pointing at another model's tokenizer).
@@ -16,9 +21,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from rlhf.config import Config, ConfigError, ModelConfig
+from omegaconf import DictConfig
+
+from rlhf import tasks
+from rlhf.config import Config, ConfigError, ModelConfig, problem_message, to_config
+from rlhf.data.sources import source_problems, source_task
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
 # one (a single token, every text encoded to nothing) instead of failing.
@@ -215,3 +225,98 @@ def hybrid_engine_problem(step: str, hybrid_engine: bool, device: str) -> str | 
             "actor.hybrid_engine=false on CPU"
         )
     return None
+
+
+def validated(cfg: DictConfig, produced: tuple[Path, ...] = ()) -> Config:
+    """The typed config, or a ConfigError listing every problem of the schema, the model paths
+    and the data, reward and PTX settings. ``produced``: directories an earlier step of the
+    pipeline will write (step=all), which need not exist yet."""
+    return to_config(cfg, lambda config: config_problems(config, produced))
+
+
+def config_problems(config: Config, produced: tuple[Path, ...] = ()) -> list[str]:
+    """Problems that need the file system, the data adapters, the tasks or the reward functions."""
+    out = [problem_message(k, v, ok) for k, v, ok in _path_problems(config, produced)]
+    for name, source in config.data.sources.items():
+        prefix = f"data.sources.{name}."
+        out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
+    out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
+    return out
+
+
+def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str, object, str]]:
+    """Local model directories that do not exist (a hub id is checked when it loads)."""
+
+    def missing(path: str | None) -> bool:
+        if path is None or not _looks_local(path):
+            return False
+        full = Path(path).expanduser().resolve()
+        return not full.is_dir() and not any(full == p.resolve() for p in produced)
+
+    paths = {"model.path": config.model.path, "reward.gold_policy": config.reward.gold_policy}
+    if config.step.name == "ppo":
+        paths.update(
+            {f"{r}.model.path": getattr(config, r).model.path for r in ("actor", "critic")}
+        )
+    return [
+        (
+            key,
+            path,
+            "an existing directory or a hub id"
+            if key.endswith(".path")
+            else "null or an existing model directory",
+        )
+        for key, path in paths.items()
+        if missing(path)
+    ]
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
+    ppo, out = config.ppo, []
+    if ppo.reward_function is not None:
+        try:
+            tasks.resolve_reward(ppo.reward_function)
+        except ValueError as err:
+            out.append(
+                ("ppo.reward_function", ppo.reward_function, f"{tasks.REWARD_ACCEPTED} ({err})")
+            )
+        owner = tasks.builtin_reward(ppo.reward_function)
+        if owner is not None:  # a task's reward reads that task's prompts only
+            names = ppo.prompt_sources or list(config.data.sources)
+            sources = [(n, config.data.sources[n]) for n in names if n in config.data.sources]
+            others = [n for n, src in sources if source_task(src) != owner[0].name]
+            if others:
+                out.append(
+                    (
+                        "ppo.reward_function",
+                        ppo.reward_function,
+                        f"PPO prompts from {owner[0].name} sources only ({ppo.reward_function} "
+                        f"checks {owner[0].name} answers; {', '.join(others)} are not "
+                        f"{owner[0].name})",
+                    )
+                )
+    if ppo.unsup_coef > 0 and not os.path.isfile(ppo.unsup_source):
+        try:
+            tasks.corpus(tasks.resolve(ppo.unsup_source), 1, 0)
+        except tasks.TaskError:
+            out.append(
+                (
+                    "ppo.unsup_source",
+                    ppo.unsup_source,
+                    "a task with a corpus (toy) or an existing .txt/.jsonl file",
+                )
+            )
+    return out
+
+
+def check_launch(config: Config) -> None:
+    """Checks that depend on the machine or on files, not only on the config: they run before
+    the process group and any model."""
+    problem = hybrid_engine_problem(config.step.name, config.actor.hybrid_engine, config.device)
+    if problem:
+        raise ConfigError(problem)
+    check_models(config)

@@ -30,21 +30,27 @@ import re
 import zlib
 from dataclasses import dataclass
 from functools import cache
+from types import MappingProxyType
 from typing import NamedTuple
 
 import datasets
+
+from rlhf.tasks import Grade
 
 __all__ = [
     "FAMILIES",
     "GENERATOR_VERSION",
     "REJECTED_KINDS",
+    "TASK",
     "WRONG_KINDS",
+    "ToyTask",
     "generate_toy_rows",
     "gold_accuracy",
     "gold_answer",
     "gold_check",
     "toy_corpus",
     "toy_dataset",
+    "toy_gold",
     "toy_prompt",
 ]
 
@@ -657,3 +663,29 @@ def toy_corpus(num_texts: int, seed: int = 1234) -> list[str]:
         inst, _ = rng.choice(_pool("train", family.name))
         out.append(family.sentence(inst))
     return out
+
+
+def toy_gold(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 for an answer the gold checker accepts, else 0.0 (so the mean reward is the gold
+    accuracy of the answers): PPO with a perfect judge, ``ppo.reward_function=toy_gold``."""
+    return [float(gold_check(p, r)) for p, r in zip(prompts, responses, strict=True)]
+
+
+class ToyTask:
+    """The toy task as a plug-in (see :mod:`rlhf.tasks`)."""
+
+    name = "toy"
+    version = GENERATOR_VERSION
+    rewards = MappingProxyType({"toy_gold": toy_gold})
+
+    def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
+        return generate_toy_rows(split, num_rows, seed, num_ranked)
+
+    def grade(self, prompt: str, response: str) -> Grade:
+        return Grade(correct=gold_check(prompt, response))
+
+    def corpus(self, num_texts: int, seed: int) -> list[str]:
+        return toy_corpus(num_texts, seed)
+
+
+TASK = ToyTask()

@@ -4,19 +4,19 @@ their ZeRO stage (or sit offloaded); and their save_pretrained exports."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.config import Config, RoleConfig
-from rlhf.ema import EMA
+from rlhf.dist import world_size
 from rlhf.engine import (
     BatchShape,
     ds_config,
     hybrid_engine_config,
     initialize,
     initialize_frozen,
-    world_size,
 )
 from rlhf.models import (
     apply_lora,
@@ -26,8 +26,8 @@ from rlhf.models import (
     read_stats,
     scale_value_head,
 )
-from rlhf.reward_functions import RewardFunction
-from rlhf.steps.common import RunInfo
+from rlhf.rl.ema import EMA
+from rlhf.rl.rewards import RewardFunction
 
 
 class Models(NamedTuple):
@@ -100,7 +100,7 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 
-def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info: RunInfo) -> None:
+def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_dir: Path) -> None:
     """actor/ (LoRA merged) and critic/ in save_pretrained format; actor_ema/ with ppo.ema."""
 
     def actor_copy():
@@ -115,7 +115,7 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info:
         return apply_lora(copy, cfg.critic.lora, modules_to_save=["score"])
 
     export_pretrained(
-        models.actor.module, cfg.actor.zero.stage, actor_copy, tokenizer, info.run_dir / "actor"
+        models.actor.module, cfg.actor.zero.stage, actor_copy, tokenizer, run_dir / "actor"
     )
     stats = critic_stats(cfg)
     export_pretrained(
@@ -123,7 +123,7 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info:
         cfg.critic.zero.stage,
         critic_copy,
         tokenizer,
-        info.run_dir / "critic",
+        run_dir / "critic",
         extra_files={"reward_stats.json": stats} if stats else None,
     )
     if ema is not None:
@@ -132,7 +132,7 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, info:
             cfg.actor.zero.stage,
             actor_copy,
             tokenizer,
-            info.run_dir / "actor_ema",
+            run_dir / "actor_ema",
             state=ema.state_dict() or {},
         )
 

@@ -1,0 +1,134 @@
+"""Tasks: data whose answers can be checked. A task generates rows in the rm-static schema,
+grades any answer to one of its prompts and may offer rule-based rewards; the embedded default's
+toy task (:mod:`rlhf.tasks.toy`) is the first.
+
+Generic code (the data pipeline, evaluation, reward functions) sees tasks only through this
+module: :class:`Task` and :func:`resolve`, which turns a name from the config (``toy``, or
+``package.module:attribute`` for your own) into a task. It never imports a concrete task.
+
+Your own task is any object with the :class:`Task` attributes (or a class or function that
+returns one)::
+
+    data.sources.mine.adapter=task data.sources.mine.task=my_pkg.tasks:MATH   # its rows
+    data.sources.local.task=my_pkg.tasks:MATH                                 # a file's rows, its checker
+
+and every run on that data reports ``eval/gold_accuracy`` and its halves.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Protocol, runtime_checkable
+
+ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+
+# name -> "module:attribute" of the built-in tasks (imported when first asked for)
+BUILTIN = {"toy": "rlhf.tasks.toy:TASK"}
+ACCEPTED = f"one of {', '.join(BUILTIN)} or package.module:attribute (an object with rows/grade)"
+
+
+@dataclass(frozen=True)
+class Grade:
+    """A checker's verdict on one answer. ``correct``: the right value, whatever the form;
+    ``clean``: free of every habit the task penalises (tasks that do not grade form leave it
+    True). The gold accuracy counts answers that are both."""
+
+    correct: bool
+    clean: bool = True
+
+    @property
+    def passed(self) -> bool:
+        return self.correct and self.clean
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a task provides. ``rows`` and ``grade`` are required; ``corpus`` (plain text for
+    PPO's PTX loss) and ``rewards`` (rule-based rewards by name, for ``ppo.reward_function``)
+    are optional."""
+
+    name: str
+    version: int  # bump when the rows change: tokenised data is cached under it
+
+    def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
+        """``num_rows`` rows of ``split`` ("train" | "test"): prompt, chosen, rejected (and
+        ``responses``, K answers best first, when ``num_ranked`` = K > 0); a pure function."""
+        ...
+
+    def grade(self, prompt: str, response: str) -> Grade:
+        """The verdict on ``response`` to ``prompt``; never raises."""
+        ...
+
+
+class TaskError(ValueError):
+    """A task name that does not resolve; the message says why."""
+
+
+@cache
+def resolve(name: str) -> Task:
+    """The task a config value names: a built-in name or ``package.module:attribute`` (an
+    object with the Task attributes, or a class / function returning one)."""
+    target = BUILTIN.get(name, name)
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise TaskError(f"neither a built-in task ({', '.join(BUILTIN)}) nor module:attribute")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # a user module may fail in any way while importing
+        raise TaskError(f"cannot import {module_name} ({type(err).__name__}: {err})") from None
+    task = getattr(module, attribute, None)
+    if isinstance(task, type) or (callable(task) and not isinstance(task, Task)):
+        task = task()
+    if not isinstance(task, Task):
+        raise TaskError(
+            f"{target} is not a task: it needs name, version, rows(split, num_rows, seed) and "
+            "grade(prompt, response)"
+        )
+    return task
+
+
+def rewards(task: Task) -> Mapping[str, ScoreFn]:
+    """The rule-based rewards a task offers, by the name ``ppo.reward_function`` uses."""
+    return getattr(task, "rewards", {}) or {}
+
+
+def builtin_reward(name: str) -> tuple[Task, ScoreFn] | None:
+    """The built-in task offering reward ``name`` (e.g. ``toy_gold``), or None."""
+    for task_name in BUILTIN:
+        task = resolve(task_name)
+        if name in rewards(task):
+            return task, rewards(task)[name]
+    return None
+
+
+def corpus(task: Task, num_texts: int, seed: int) -> list[str]:
+    """Plain text of the task's world for PPO's PTX loss; TaskError when it has none."""
+    make: Any = getattr(task, "corpus", None)
+    if make is None:
+        raise TaskError(f"task {task.name} has no corpus (give ppo.unsup_source a text file)")
+    return list(make(num_texts, seed))
+
+
+REWARD_ACCEPTED = "a task's reward (toy_gold) or package.module:function, a callable (prompts, responses) -> floats"
+
+
+def resolve_reward(name: str) -> ScoreFn:
+    """The rule-based reward a ``ppo.reward_function`` value names: a built-in task's (``toy_gold``)
+    or ``package.module:function``; ValueError saying why not."""
+    builtin = builtin_reward(name)
+    if builtin is not None:
+        return builtin[1]
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError("neither a built-in name nor module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # a user module may fail in any way while importing
+        raise ValueError(f"cannot import {module_name} ({type(err).__name__}: {err})") from None
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no callable {attribute}")
+    return fn
