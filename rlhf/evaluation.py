@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 from rlhf import algos, tasks
 from rlhf.config import Config, ConfigError
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
-from rlhf.data.pipeline import TASK, tokenizer_fingerprint
+from rlhf.data.pipeline import TASK
 from rlhf.data.sampling import eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
-from rlhf.models import load_tokenizer
+from rlhf.models import load_tokenizer, tokenizer_fingerprint
 from rlhf.rl.experience import response_logprobs, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, generate
 from rlhf.rl.models import Models, max_new_tokens
@@ -48,6 +48,8 @@ def grade(row: dict, answer: str) -> tasks.Grade:
 class SFTEvaluator:
     """eval/loss and eval/ppl per answer token (whatever sft.loss_on_prompt), and, where the
     prompts have a checkable answer, eval/gold_accuracy of greedy answers."""
+
+    sample_columns = ("prompt", "answer")
 
     def __init__(self, cfg: Config, tokenizer, eval_rows, eot: int):
         self.cfg, self.tokenizer, self.rows, self.eot = cfg, tokenizer, eval_rows, eot
@@ -213,6 +215,8 @@ class PPOEvaluator:
     eval/response_length and, on checkable data, eval/gold_accuracy. Warns when the reward
     rises while gold accuracy falls or the answer length drifts: reward hacking."""
 
+    sample_columns = ("prompt", "answer", "reward", "gold")
+
     def __init__(
         self, cfg: Config, tokenizer, eval_rows, eot: int, score_position: str, reward_stats
     ):
@@ -249,7 +253,7 @@ class PPOEvaluator:
             )
             reward, kl = self._score(models, rollout)
             answers = decode_responses(self.tokenizer, rollout)
-            gold = [float(grade(r, a).passed) for r, a in zip(rows, answers)]
+            gold = [float(self.checkable and grade(r, a).passed) for r, a in zip(rows, answers)]
             keep = torch.tensor(valid, dtype=torch.float64)
             sums += torch.stack(
                 [

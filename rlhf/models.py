@@ -100,6 +100,17 @@ def load_tokenizer(model: ModelConfig, path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
+    text += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def end_of_text_id(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> int:
     if model.end_of_text_token is None:
         return tokenizer.eos_token_id

@@ -9,6 +9,8 @@ import math
 import netrc
 import os
 import resource
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,31 @@ import torch
 from rlhf.config import LoggerConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Throughput:
+    """Real (non-padding) tokens and samples per second over the training steps only."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    _started: float = field(default=0.0, repr=False)
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def stop(self, tokens: int, samples: int) -> None:
+        self.seconds += time.perf_counter() - self._started
+        self.tokens += tokens
+        self.samples += samples
+
+    def metrics(self) -> dict[str, float]:
+        seconds = max(self.seconds, 1e-9)
+        return {
+            "perf/tokens_per_s": self.tokens / seconds,
+            "perf/samples_per_s": self.samples / seconds,
+        }
 
 
 class Tracker:

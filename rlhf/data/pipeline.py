@@ -30,6 +30,7 @@ from rlhf.data.sources import SourceError, describe, load_pairs, source_task
 from rlhf.data.split import phase_indices
 from rlhf.dist import barrier, is_main, world_size
 from rlhf.files import publish_dir
+from rlhf.models import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +121,6 @@ def _file_stamp(path: str | None) -> list | None:
         return None
     files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).rglob("*"))
     return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = (
-        backend.to_str()
-        if backend is not None
-        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    )
-    text += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _build(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int):

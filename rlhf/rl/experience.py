@@ -7,16 +7,20 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from rlhf import algos
+from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
-from rlhf.dist import all_reduce_sum
-from rlhf.rl.generation import Rollout
+from rlhf.dist import all_reduce_sum, world_size
+from rlhf.engine import model_device
+from rlhf.rl.generation import Rollout, Sampling, generate
+from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
+from rlhf.tracking import Throughput
 
 
 class Experience(NamedTuple):
@@ -155,6 +159,29 @@ class Shaping:
     reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
     temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
     packing: bool = False  # score packed rows (ppo.packing): no forward over padding
+
+
+def shaping(ppo: PPOConfig, kl_coef: float, score_position: str, reward_stats) -> Shaping:
+    """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef."""
+    return Shaping(
+        kl_coef,
+        ppo.kl_estimator,
+        ppo.clip_reward_value,
+        ppo.gamma,
+        ppo.lam,
+        ppo.min_response_tokens,
+        score_position,
+        reward_stats,
+        1.0 if ppo.greedy else ppo.temperature,
+        ppo.packing,
+    )
+
+
+def kl_controller(ppo: PPOConfig):
+    """Ziegler et al.'s adaptive controller (ppo.adaptive_kl) or a fixed kl_coef."""
+    if ppo.adaptive_kl:
+        return algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+    return algos.FixedKLController(ppo.kl_coef)
 
 
 @torch.no_grad()
@@ -309,3 +336,43 @@ def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> t
         right = response_width - e.response_mask.shape[1]
         return torch.nn.functional.pad(value, (left, right), value=0)  # masked either way
     return torch.nn.functional.pad(value, (0, response_width - value.shape[1]), value=0)
+
+
+@dataclass
+class Collector:
+    """Rollouts of the actor for batches of prompts, scored by the four models into
+    Experiences; ``speed`` times the generation."""
+
+    models: Models
+    cfg: Config
+    pad_id: int
+    eot: int
+    sampling: Sampling
+    speed: Throughput = field(default_factory=Throughput)
+
+    def __call__(self, prompt_ids: list[list[int]], shaping: Shaping) -> Experience:
+        cfg, models = self.cfg, self.models
+        self.speed.start()
+        rollout = generate(
+            models.actor.module,
+            prompt_ids,
+            self.pad_id,
+            self.eot,
+            self.sampling,
+            synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
+            # the hybrid engine decodes with inference kernels whose logits differ slightly from
+            # the training forward's: recompute there, as DeepSpeed-Chat does
+            logprobs_temperature=shaping.temperature
+            if cfg.ppo.rollout_logprobs and not cfg.actor.hybrid_engine
+            else None,
+        )
+        self.speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
+        return make_experience(
+            rollout,
+            models.actor,
+            models.reference,
+            models.critic,
+            models.reward,
+            shaping,
+            model_device(models.actor),
+        )

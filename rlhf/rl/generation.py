@@ -18,6 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from rlhf.config import Config
 from rlhf.data.collate import left_pad
 
 
@@ -34,6 +35,23 @@ class Sampling:
     # drop each answer from the decoding batch and its KV cache as soon as it ends (our own
     # decoding loop; HF's generate keeps finished rows until the longest answer ends)
     drop_finished: bool = False
+
+
+def rollout_sampling(cfg: Config, max_new_tokens: int) -> Sampling:
+    """How PPO samples its rollouts (ppo.*; prompts padded to max_prompt_len with
+    data.pad_to_max_len, as DeepSpeed-Chat does)."""
+    ppo, data = cfg.ppo, cfg.data
+    return Sampling(
+        max_new_tokens,
+        ppo.greedy,
+        ppo.temperature,
+        ppo.top_p,
+        ppo.top_k,
+        ppo.stop_at_eos,
+        data.max_prompt_len if data.pad_to_max_len else None,
+        ppo.generation_cache,
+        ppo.drop_finished_rows,
+    )
 
 
 class Rollout(NamedTuple):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf.config import Config, RoleConfig
+from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.dist import world_size
 from rlhf.engine import (
     BatchShape,
@@ -22,9 +22,11 @@ from rlhf.models import (
     apply_lora,
     export_pretrained,
     load_causal_lm,
+    load_tokenizer,
     load_value_model,
     read_stats,
     scale_value_head,
+    tokenizer_fingerprint,
 )
 from rlhf.rl.ema import EMA
 from rlhf.rl.rewards import RewardFunction
@@ -144,6 +146,32 @@ def critic_stats(cfg: Config) -> dict | None:
     if stats is None or not cfg.ppo.normalize_reward:
         return stats
     return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
+
+
+def load_tokenizer_pair(cfg: Config):
+    """The tokenizer all four models share: the actor's; the critic's must be the same, since
+    it scores the actor's tokens."""
+    tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
+    critic_tokenizer = load_tokenizer(cfg.critic.model, cfg.critic.model.path)
+    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(critic_tokenizer):
+        raise ConfigError(
+            f"critic.model.path={cfg.critic.model.path}: its tokenizer differs from the actor's "
+            f"({cfg.actor.model.path}); PPO scores the actor's tokens with it"
+        )
+    return tokenizer
+
+
+def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
+    """How the reward model's scores are read: the (mean, std) to normalise them by
+    (ppo.normalize_reward) and the score position, from the reward export's statistics."""
+    stats = read_stats(cfg.critic.model.path)
+    if cfg.ppo.normalize_reward and stats is None:
+        raise ConfigError(
+            f"ppo.normalize_reward=true: {cfg.critic.model.path} has no reward_stats.json "
+            "(export it with step=reward)"
+        )
+    normalise = (stats["mean"], stats["std"]) if cfg.ppo.normalize_reward else None
+    return normalise, (stats or {}).get("score_position", "last")
 
 
 def max_new_tokens(cfg: Config) -> int:

@@ -1,5 +1,7 @@
-"""What every recipe shares: the run's identity, the training-loop state, sharded evaluation
-helpers and throughput accounting. No training logic lives here."""
+"""What every recipe's loop shares, written once: resuming, the tracker, the progress bar, and
+after each optimizer step logging, evaluation, checkpoints, stop requests and injected faults;
+then the summary. No training logic lives here: a recipe calls :class:`Run` around its own
+steps (``run.end_step(...)`` after each, ``run.finish(...)`` at the end)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,19 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from rlhf.dist import all_ranks, max_over_ranks, rank
+from rlhf import checkpoint
+from rlhf.config import Config, ConfigError
+from rlhf.dist import all_ranks, is_main, max_over_ranks, rank
+from rlhf.tracking import Throughput, Tracker, peak_memory_gb
 
 log = logging.getLogger(__name__)
 
@@ -48,29 +56,13 @@ class TrainState:
             self.step_in_epoch = 0
 
 
-@dataclass
-class Throughput:
-    """Real (non-padding) tokens and samples per second over the training steps only."""
-
-    seconds: float = 0.0
-    tokens: int = 0
-    samples: int = 0
-    _started: float = field(default=0.0, repr=False)
-
-    def start(self) -> None:
-        self._started = time.perf_counter()
-
-    def stop(self, tokens: int, samples: int) -> None:
-        self.seconds += time.perf_counter() - self._started
-        self.tokens += tokens
-        self.samples += samples
-
-    def metrics(self) -> dict[str, float]:
-        seconds = max(self.seconds, 1e-9)
-        return {
-            "perf/tokens_per_s": self.tokens / seconds,
-            "perf/samples_per_s": self.samples / seconds,
-        }
+def total_steps(plan, epochs: int, max_steps: int, too_few: str) -> int:
+    """Optimizer steps (or PPO iterations) of the run: ``epochs`` passes of ``plan``, capped by
+    step.max_steps; a ConfigError saying ``too_few`` when the data holds no full global batch."""
+    if plan.steps_per_epoch == 0:
+        raise ConfigError(f"data: {too_few}")
+    steps = plan.steps_per_epoch * epochs
+    return min(steps, max_steps) if max_steps > 0 else steps
 
 
 def eval_due(eval_interval: int, state: TrainState, total_steps: int) -> bool:
@@ -167,3 +159,142 @@ def inject_faults(debug, step: int) -> None:
 def checkpoint_due(interval: int, step: int, total_steps: int) -> bool:
     """Every ``interval`` steps, and after the last one."""
     return step == total_steps or (interval > 0 and step % interval == 0)
+
+
+class Run:
+    """One step's run from resume to summary. ``engines``: the trained DeepSpeed engines, by
+    the names their checkpoints are saved under; ``window``: the sums a recipe accumulates
+    between two logged rows (:meth:`add`), saved with checkpoints; ``shown``: the metrics the
+    progress bar displays; ``started``: when the step began (perf/wall_s)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        info: RunInfo,
+        job: str,
+        engines: dict[str, Any],
+        total_steps: int,
+        window: tuple[str, ...] = (),
+        shown: tuple[str, ...] = (),
+        started: float | None = None,
+    ):
+        self.cfg, self.info, self.job, self.engines = cfg, info, job, engines
+        self.total_steps, self.window_keys, self.shown = total_steps, window, shown
+        self.started = time.perf_counter() if started is None else started
+        self.eval_seconds = 0.0
+        resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
+        self.trainer = checkpoint.load(resume_from, engines) if resume_from else None
+        resumed = self.trainer or {}
+        self.state = TrainState(**resumed["state"]) if resumed else TrainState()
+        self.window = dict(resumed.get("window") or dict.fromkeys(window, 0.0))
+        self.tracker = Tracker(
+            info.run_dir,
+            cfg.logger,
+            job,
+            info.run_name,
+            info.config,
+            info.group,
+            enabled=is_main(),
+            resume=resumed.get("tracker"),
+        )
+        self.guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, *engines.values())
+        self.extra_state: Callable[[], dict[str, Any]] = dict  # the recipe's own, for checkpoints
+        self._stop: StopRequest | None = None
+        self._bar: tqdm | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.trainer is not None
+
+    def evaluate(self, evaluator: Callable[..., dict[str, float]], *args) -> dict[str, float]:
+        """Run ``evaluator(*args)``, log its metrics and sample answers; time it (perf/eval_s)."""
+        started = time.perf_counter()
+        metrics = evaluator(*args)
+        self.eval_seconds += time.perf_counter() - started
+        self.tracker.log(metrics, step=self.state.global_step)
+        samples = getattr(evaluator, "samples", None)
+        if samples:
+            columns = evaluator.sample_columns
+            self.tracker.log_table(
+                "eval/samples", list(columns), samples, step=self.state.global_step
+            )
+        return metrics
+
+    def evaluate_first(self, evaluator: Callable[..., dict[str, float]], *args) -> None:
+        """The 'before' figures (initial/...), unless resuming or step.eval_at_start=false."""
+        if not self.resumed and self.cfg.step.eval_at_start:
+            metrics = self.evaluate(evaluator, *args)
+            self.tracker.summary({f"initial/{k}": v for k, v in metrics.items()})
+
+    def save(self) -> None:
+        """A resumable checkpoint at the current step (collective)."""
+        step = self.state.global_step
+        trainer = {
+            "state": asdict(self.state),
+            "window": dict(self.window),
+            "tracker": self.tracker.state(step),
+            **self.extra_state(),
+        }
+        checkpoint.save(
+            self.info.run_dir, step, self.engines, trainer, self.cfg.step.keep_checkpoints
+        )
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the loop: the progress bar, and SIGTERM / SIGINT turned into stop requests."""
+        self._bar = tqdm(
+            total=self.total_steps,
+            initial=self.state.global_step,
+            desc=self.job,
+            disable=not is_main() or not self.cfg.logger.progress_bar,
+        )
+        self._stop = StopRequest()
+        try:
+            yield
+        finally:
+            self._stop.close()
+            self._bar.close()
+
+    def add(self, **values: float) -> None:
+        """Accumulate into the window of the next logged row."""
+        for key, value in values.items():
+            self.window[key] += value
+
+    def end_step(self, metrics: dict[str, float], evaluate: Callable[[], Any]) -> None:
+        """After an optimizer step (a PPO iteration): log ``metrics`` when due (then clear the
+        window), ``evaluate()`` when due, checkpoint when due; on a stop request checkpoint
+        and raise TrainingStopped; then any injected fault."""
+        step, total, cadence = self.state.global_step, self.total_steps, self.cfg.step
+        self._bar.update()
+        if step % cadence.log_interval == 0 or step == total:
+            self.tracker.log(metrics, step=step)
+            self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in self.shown if k in metrics})
+            self.window = dict.fromkeys(self.window_keys, 0.0)
+        if eval_due(cadence.eval_interval, self.state, total):
+            evaluate()
+        if checkpoint_due(cadence.checkpoint_interval, step, total):
+            self.save()
+        if signum := self._stop.requested():
+            self.save()
+            raise TrainingStopped(
+                f"stopped by signal {signum} at step {step}; a checkpoint is in "
+                f"{self.info.run_dir}/checkpoints: run the same command to resume",
+                exit_code=128 + signum,
+            )
+        inject_faults(self.cfg.debug, step)
+
+    def finish(self, final: dict[str, float], speed: Throughput, **extra: Any) -> dict[str, Any]:
+        """The summary (final evaluation, ``extra``, throughput, memory, wall and evaluation
+        time), written to summary.json; the tracker closes."""
+        summary = {
+            **final,
+            **extra,
+            **speed.metrics(),
+            "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
+            "perf/wall_s": time.perf_counter() - self.started,
+            "perf/eval_s": self.eval_seconds,
+            "train/steps": self.state.global_step,
+        }
+        self.tracker.summary(summary)
+        self.tracker.close()
+        return summary

@@ -12,48 +12,45 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
-from tqdm.auto import tqdm
 from transformers import set_seed
 
-from rlhf import algos, checkpoint
+from rlhf import algos
 from rlhf.algos import token_loss_scale
-from rlhf.config import Config, ConfigError
+from rlhf.config import Config
 from rlhf.data.packing import pack_rows
-from rlhf.data.pipeline import phase_dataset, tokenizer_fingerprint
+from rlhf.data.pipeline import phase_dataset
 from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
-from rlhf.engine import device_type, model_device, resolve_dtype
+from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
-from rlhf.models import end_of_text_id, load_tokenizer, read_stats
+from rlhf.models import end_of_text_id
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
+    Collector,
     Experience,
-    Shaping,
     concat,
-    make_experience,
+    kl_controller,
     response_logprobs,
     response_values,
     rollout_metrics,
+    shaping,
     whiten_advantages,
 )
-from rlhf.rl.generation import Sampling, generate
-from rlhf.rl.models import Models, build_models, export_models, max_new_tokens
-from rlhf.rl.ptx import PTXBatches
-from rlhf.steps.loop import (
-    NonFiniteGuard,
-    RunInfo,
-    StopRequest,
-    Throughput,
-    TrainingStopped,
-    TrainState,
-    checkpoint_due,
-    eval_due,
-    inject_faults,
+from rlhf.rl.generation import rollout_sampling
+from rlhf.rl.models import (
+    Models,
+    build_models,
+    export_models,
+    load_tokenizer_pair,
+    max_new_tokens,
+    reward_settings,
 )
-from rlhf.tracking import Tracker, peak_memory_gb
+from rlhf.rl.ptx import PTXBatches
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, TrainState, total_steps
+from rlhf.tracking import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +58,11 @@ log = logging.getLogger(__name__)
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     started = time.perf_counter()
     ppo = cfg.ppo
-    device = device_type(cfg.device)
-    dtype = resolve_dtype(cfg.actor.model.dtype, device)
+    dtype = resolve_dtype(cfg.actor.model.dtype, device_type(cfg.device))
     set_seed(cfg.seed)
 
-    # 1. tokenizer (shared by all four models), prompts, PTX text
-    tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
-    critic_tokenizer = load_tokenizer(cfg.critic.model, cfg.critic.model.path)
-    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(critic_tokenizer):
-        raise ConfigError(
-            f"critic.model.path={cfg.critic.model.path}: its tokenizer differs "
-            f"from the actor's ({cfg.actor.model.path}); PPO scores the actor's "
-            "tokens with it"
-        )
+    # 1. tokenizer (shared by all four models), prompts, PTX text, how scores are read
+    tokenizer = load_tokenizer_pair(cfg)
     eot = end_of_text_id(cfg.actor.model, tokenizer)
     data = cfg.data
     if ppo.prompt_sources:  # DeepSpeed-Chat's recipe trains SFT on four sets, PPO on one
@@ -87,46 +76,26 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         ppo.generation_batches,
         cfg.data.seed,
     )
-    if plan.steps_per_epoch == 0:
-        raise ConfigError(
-            f"data: the PPO phase has {len(prompts)} prompts, fewer than one "
-            f"iteration ({plan.global_batch_size} = ppo.per_device_generation_"
-            "batch_size x ranks x ppo.generation_batches)"
-        )
-    total_iterations = plan.steps_per_epoch * ppo.epochs
-    if cfg.step.max_steps > 0:
-        total_iterations = min(total_iterations, cfg.step.max_steps)
-    updates = total_iterations * ppo.ppo_epochs * _steps_per_rollout(ppo)
+    iterations = total_steps(
+        plan,
+        ppo.epochs,
+        cfg.step.max_steps,
+        f"the PPO phase has {len(prompts)} prompts, fewer than one iteration "
+        f"({plan.global_batch_size} = ppo.per_device_generation_batch_size x ranks x "
+        "ppo.generation_batches)",
+    )
+    updates = iterations * ppo.ppo_epochs * _steps_per_rollout(ppo)
     ptx = PTXBatches(cfg, tokenizer, eot) if ppo.unsup_coef > 0 else None
-    stats = read_stats(cfg.critic.model.path) if ppo.normalize_reward else None
-    if ppo.normalize_reward and stats is None:
-        raise ConfigError(
-            f"ppo.normalize_reward=true: {cfg.critic.model.path} has no "
-            "reward_stats.json (export it with step=reward)"
-        )
-    reward_stats = (stats["mean"], stats["std"]) if stats else None
-    score_position = (read_stats(cfg.critic.model.path) or {}).get("score_position", "last")
+    reward_stats, score_position = reward_settings(cfg)
 
     # 2. the four models
     models = build_models(cfg, tokenizer, dtype, updates)
     models.actor.train()  # updates in train mode (PPO's default dropout is 0: see conf/step/ppo.yaml)
     models.critic.train()
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
-    kl_controller = (
-        algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-        if ppo.adaptive_kl
-        else algos.FixedKLController(ppo.kl_coef)
-    )
-    sampling = Sampling(
-        max_new_tokens(cfg),
-        ppo.greedy,
-        ppo.temperature,
-        ppo.top_p,
-        ppo.top_k,
-        ppo.stop_at_eos,
-        data.max_prompt_len if data.pad_to_max_len else None,
-        ppo.generation_cache,
-        ppo.drop_finished_rows,
+    kl = kl_controller(ppo)
+    collect = Collector(
+        models, cfg, tokenizer.pad_token_id, eot, rollout_sampling(cfg, max_new_tokens(cfg))
     )
     if ppo.drop_finished_rows and cfg.actor.zero.stage == 3 and world_size() > 1:
         log.info(
@@ -138,210 +107,82 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
         "critic ZeRO-%d, %d rank(s), reward: %s",
         len(prompts),
-        total_iterations,
+        iterations,
         plan.global_batch_size,
         ppo.ppo_epochs,
         cfg.actor.zero.stage,
         cfg.critic.zero.stage,
         world_size(),
-        f"function {ppo.reward_function}"
-        if ppo.reward_function
-        else f"model {cfg.critic.model.path}",
+        f"function {ppo.reward_function}" if ppo.reward_function else cfg.critic.model.path,
     )
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first
-    state = TrainState()
     engines = {"actor": models.actor, "critic": models.critic}
-    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
-    trainer = checkpoint.load(resume_from, engines) if resume_from else None
-    evaluate = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
-    if trainer is not None:
-        state = TrainState(**trainer["state"])
-        kl_controller.load_state_dict(trainer["kl_controller"])
-        evaluate.first, evaluate.warnings = trainer["evaluator"]
-        if ptx is not None:
-            ptx.position = trainer["ptx_position"]
-        if ema is not None:
-            ema.load_state_dict(trainer.get("ema"))
-    tracker = Tracker(
-        info.run_dir,
-        cfg.logger,
-        "ppo",
-        info.run_name,
-        info.config,
-        info.group,
-        enabled=rank() == 0,
-        resume=trainer and trainer["tracker"],
+    run = Run(
+        cfg, info, "ppo", engines, iterations, shown=("ppo/reward", "ppo/kl"), started=started
     )
-
-    def log_eval() -> dict[str, float]:
-        metrics = evaluate(models)
-        tracker.log(metrics, step=state.global_step)
-        tracker.log_table(
-            "eval/samples",
-            ["prompt", "answer", "reward", "gold"],
-            evaluate.samples,
-            step=state.global_step,
-        )
-        return metrics
-
-    def save_checkpoint() -> None:
-        checkpoint.save(
-            info.run_dir,
-            state.global_step,
-            engines,
-            {
-                "state": asdict(state),
-                "kl_controller": kl_controller.state_dict(),
-                "evaluator": (evaluate.first, evaluate.warnings),
-                "ptx_position": ptx.position if ptx is not None else 0,
-                "ema": ema.state_dict() if ema is not None else None,
-                "tracker": tracker.state(state.global_step),
-            },
-            cfg.step.keep_checkpoints,
-        )
-
-    if trainer is None and cfg.step.eval_at_start:
-        tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
+    evaluator = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
+    if run.resumed:
+        kl.load_state_dict(run.trainer["kl_controller"])
+        evaluator.first, evaluator.warnings = run.trainer["evaluator"]
+        if ptx is not None:
+            ptx.position = run.trainer["ptx_position"]
+        if ema is not None:
+            ema.load_state_dict(run.trainer.get("ema"))
+    run.extra_state = lambda: {
+        "kl_controller": kl.state_dict(),
+        "evaluator": (evaluator.first, evaluator.warnings),
+        "ptx_position": ptx.position if ptx is not None else 0,
+        "ema": ema.state_dict() if ema is not None else None,
+    }
+    run.evaluate_first(evaluator, models)
 
     # 4. iterations: generate -> score -> advantages -> PPO epochs -> EMA, KL coefficient
-    bar = tqdm(
-        total=total_iterations,
-        initial=state.global_step,
-        desc="ppo",
-        disable=rank() != 0 or not cfg.logger.progress_bar,
-    )
-    gen_speed, train_speed = Throughput(), Throughput()
-    stop = StopRequest()
-    guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, models.actor, models.critic)
-    try:
-        while state.global_step < total_iterations:
+    gen_speed, train_speed, state = collect.speed, Throughput(), run.state
+    with run.training():
+        while state.global_step < iterations:
             iteration_started = time.perf_counter()
-            shaping = Shaping(
-                kl_controller.value,
-                ppo.kl_estimator,
-                ppo.clip_reward_value,
-                ppo.gamma,
-                ppo.lam,
-                ppo.min_response_tokens,
-                score_position,
-                reward_stats,
-                1.0 if ppo.greedy else ppo.temperature,
-                ppo.packing,
-            )
+            rules = shaping(ppo, kl.value, score_position, reward_stats)
+            batches = plan.micro_batches(state.epoch, state.step_in_epoch, rank())
             experiences = [
-                collect(
-                    models,
-                    [prompts[i]["prompt_ids"] for i in indices],
-                    cfg,
-                    tokenizer,
-                    eot,
-                    sampling,
-                    shaping,
-                    gen_speed,
-                )
-                for indices in plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+                collect([prompts[i]["prompt_ids"] for i in rows], rules) for rows in batches
             ]
             if ppo.whiten_advantages:
                 experiences = whiten_advantages(experiences)
 
             train_speed.start()
-            update_stats = ppo_update(models, experiences, cfg, state, ptx, guard)
+            update_stats = ppo_update(models, experiences, cfg, state, ptx, run.guard)
             train_speed.stop(update_stats.pop("tokens"), plan.global_batch_size)
             rollout_stats = rollout_metrics(experiences)
             if ema is not None:
                 ema.update(models.actor.module)
-            kl_controller.update(rollout_stats["ppo/kl"], plan.global_batch_size)
+            kl.update(rollout_stats["ppo/kl"], plan.global_batch_size)
             state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
-            bar.update()
-
-            if (
-                state.global_step % cfg.step.log_interval == 0
-                or state.global_step == total_iterations
-            ):
-                metrics = {
-                    **rollout_stats,
-                    **update_stats,
-                    "ppo/kl_coef": kl_controller.value,
-                    "ppo/skipped_updates": guard.skipped,
-                    "perf/s_per_iter": time.perf_counter() - iteration_started,
-                    "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
-                    **train_speed.metrics(),
-                }
-                tracker.log(metrics, step=state.global_step)
-                bar.set_postfix(
-                    reward=f"{metrics['ppo/reward']:.2f}", kl=f"{metrics['ppo/kl']:.2f}"
-                )
-            if eval_due(cfg.step.eval_interval, state, total_iterations):
-                log_eval()
-            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_iterations):
-                save_checkpoint()
-            if signum := stop.requested():
-                save_checkpoint()
-                raise TrainingStopped(
-                    f"stopped by signal {signum} at iteration {state.global_step}; a checkpoint "
-                    f"is in {info.run_dir}/checkpoints: run the same command to resume",
-                    exit_code=128 + signum,
-                )
-            inject_faults(cfg.debug, state.global_step)
-    finally:
-        stop.close()
-        bar.close()
+            metrics = {
+                **rollout_stats,
+                **update_stats,
+                "ppo/kl_coef": kl.value,
+                "ppo/skipped_updates": run.guard.skipped,
+                "perf/s_per_iter": time.perf_counter() - iteration_started,
+                "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
+                **train_speed.metrics(),
+            }
+            run.end_step(metrics, evaluate=lambda: run.evaluate(evaluator, models))
 
     # 5. final evaluation, exports, summary
-    final = log_eval()
+    final = run.evaluate(evaluator, models)
     if cfg.step.save_model:
         export_models(models, ema, cfg, tokenizer, info.run_dir)
-    summary = {
-        **final,
-        **{k: v for k, v in tracker.summary_metrics.items() if k.startswith("ppo/")},
-        "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
-        "perf/s_per_iter": (gen_speed.seconds + train_speed.seconds) / max(state.global_step, 1),
-        **train_speed.metrics(),
-        "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
-        "perf/wall_s": time.perf_counter() - started,
-        "train/steps": state.global_step,
-        "eval/hacking_warnings": evaluate.warnings,
-    }
-    tracker.summary(summary)
-    tracker.close()
-    return summary
-
-
-def collect(
-    models: Models,
-    prompt_ids: list[list[int]],
-    cfg: Config,
-    tokenizer,
-    eot: int,
-    sampling: Sampling,
-    shaping: Shaping,
-    speed: Throughput,
-) -> Experience:
-    """Generate answers for one batch of prompts and score them into an Experience."""
-    speed.start()
-    rollout = generate(
-        models.actor.module,
-        prompt_ids,
-        tokenizer.pad_token_id,
-        eot,
-        sampling,
-        synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
-        # the hybrid engine decodes with inference kernels whose logits differ slightly from
-        # the training forward's: recompute there, as DeepSpeed-Chat does
-        logprobs_temperature=shaping.temperature
-        if cfg.ppo.rollout_logprobs and not cfg.actor.hybrid_engine
-        else None,
-    )
-    speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
-    return make_experience(
-        rollout,
-        models.actor,
-        models.reference,
-        models.critic,
-        models.reward,
-        shaping,
-        model_device(models.actor),
+    return run.finish(
+        final,
+        train_speed,
+        **{k: v for k, v in run.tracker.summary_metrics.items() if k.startswith("ppo/")},
+        **{
+            "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
+            "perf/s_per_iter": (gen_speed.seconds + train_speed.seconds)
+            / max(state.global_step, 1),
+            "eval/hacking_warnings": evaluator.warnings,
+        },
     )
 
 

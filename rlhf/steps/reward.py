@@ -11,19 +11,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, set_seed
 
-from rlhf import algos, checkpoint
+from rlhf import algos
 from rlhf.config import Config, ConfigError
 from rlhf.data.collate import pair_batch, ranked_batch, rows_at
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
 from rlhf.data.pipeline import phase_dataset
 from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
+from rlhf.dist import all_reduce_sum, rank, world_size
 from rlhf.engine import BatchShape, device_type, ds_config, initialize, model_device, resolve_dtype
 from rlhf.evaluation import PairEvaluator, gold_correlation
 from rlhf.models import (
@@ -35,18 +33,8 @@ from rlhf.models import (
     load_value_model,
     model_path,
 )
-from rlhf.steps.loop import (
-    NonFiniteGuard,
-    RunInfo,
-    StopRequest,
-    Throughput,
-    TrainingStopped,
-    TrainState,
-    checkpoint_due,
-    eval_due,
-    inject_faults,
-)
-from rlhf.tracking import Tracker, peak_memory_gb
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
+from rlhf.tracking import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +57,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
         )
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
-    answers = ("chosen_ids", "rejected_ids")
-    if cfg.reward.loss == "listwise":
-        answers = ("responses_ids",)
-    lengths = row_lengths(train_rows, answers)
-    # tokens a micro batch may hold: micro_batch_size pairs of max_seq_len-wide sequences
-    budget = shape.micro_batch_size * cfg.data.max_seq_len
-    if cfg.reward.share_prompt:  # a pair is one row: prompt + chosen + rejected
-        columns = zip(
-            train_rows["prompt_ids"], train_rows["chosen_ids"], train_rows["rejected_ids"]
-        )
-        lengths, budget = tuple(sum(map(len, row)) for row in columns), 2 * budget
-    dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
+    lengths, budget = pair_lengths(cfg, train_rows)
     plan = EpochPlan(
         len(train_rows),
         shape.micro_batch_size,
@@ -89,6 +66,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         cfg.data.seed,
         lengths if cfg.data.group_by_length else None,
     )
+    dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
 
     def step_rows(epoch: int, step: int) -> list[list[dict]]:
         """This rank's micro batches (rows) of one optimizer step."""
@@ -98,14 +76,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         rows = rows_at(train_rows, indices)
         return [[rows[i] for b in bins for i in b] for bins in micro]
 
-    if plan.steps_per_epoch == 0:
-        raise ConfigError(
-            f"data: the reward phase has {len(train_rows)} training pairs, fewer than one global "
-            f"batch ({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)"
-        )
-    total_steps = plan.steps_per_epoch * cfg.optim.epochs
-    if cfg.step.max_steps > 0:
-        total_steps = min(total_steps, cfg.step.max_steps)
+    steps = total_steps(
+        plan,
+        cfg.optim.epochs,
+        cfg.step.max_steps,
+        f"the reward phase has {len(train_rows)} training pairs, fewer than one global batch "
+        f"({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)",
+    )
 
     # 2. model and engine: backbone + scalar head; LoRA leaves the head fully trainable
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
@@ -114,13 +91,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     )
     hf_config = model.hf.config
     model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])
-    engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
     engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
     log.info(
         "reward: %d train / %d eval pairs, %d steps of %d pairs, loss %s, ZeRO-%d on %d rank(s)",
         len(train_rows),
         len(eval_rows),
-        total_steps,
+        steps,
         plan.global_batch_size,
         cfg.reward.loss,
         cfg.zero.stage,
@@ -128,107 +105,52 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     )
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the untrained head first
-    state, window = TrainState(), {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
-    trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
-    if trainer is not None:
-        state, window = TrainState(**trainer["state"]), trainer["window"]
-    tracker = Tracker(
-        info.run_dir,
-        cfg.logger,
+    run = Run(
+        cfg,
+        info,
         "reward",
-        info.run_name,
-        info.config,
-        info.group,
-        enabled=rank() == 0,
-        resume=trainer and trainer["tracker"],
+        {"model": engine},
+        steps,
+        window=("loss", "accuracy", "steps"),
+        shown=("train/loss", "train/accuracy"),
+        started=started,
     )
-    evaluate = PairEvaluator(cfg, tokenizer, eval_rows)
-
-    def log_eval() -> dict[str, float]:
-        metrics = evaluate(engine)
-        tracker.log(metrics, step=state.global_step)
-        return metrics
-
-    def save_checkpoint() -> None:
-        checkpoint.save(
-            info.run_dir,
-            state.global_step,
-            {"model": engine},
-            {
-                "state": asdict(state),
-                "window": dict(window),
-                "tracker": tracker.state(state.global_step),
-            },
-            cfg.step.keep_checkpoints,
-        )
-
-    if trainer is None and cfg.step.eval_at_start:
-        tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
+    evaluator = PairEvaluator(cfg, tokenizer, eval_rows)
+    run.evaluate_first(evaluator, engine)
 
     # 4. train
-    bar = tqdm(
-        total=total_steps,
-        initial=state.global_step,
-        desc="reward",
-        disable=rank() != 0 or not cfg.logger.progress_bar,
-    )
-    speed = Throughput()
-    stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
-    try:
-        while state.global_step < total_steps:
+    speed, state = Throughput(), run.state
+
+    def train_metrics() -> dict[str, float]:
+        logged = run.window["steps"] or math.nan  # every step skipped: no loss to report
+        return {
+            "train/loss": run.window["loss"] / logged,
+            "train/accuracy": run.window["accuracy"] / logged,
+            "train/lr": engine.get_lr()[0],
+            "train/epoch": state.global_step / plan.steps_per_epoch,
+            "train/skipped_steps": run.guard.skipped,
+            **speed.metrics(),
+        }
+
+    with run.training():
+        while state.global_step < steps:
             micro_rows = step_rows(state.epoch, state.step_in_epoch)
             speed.start()
             loss, accuracy, tokens = train_step(
-                engine, micro_rows, cfg, tokenizer.pad_token_id, guard
+                engine, micro_rows, cfg, tokenizer.pad_token_id, run.guard
             )
             speed.stop(tokens, plan.global_batch_size)
             state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-            guard.end_step(state.global_step)
+            run.guard.end_step(state.global_step)
             if math.isfinite(loss):
-                window = {
-                    "loss": window["loss"] + loss,
-                    "accuracy": window["accuracy"] + accuracy,
-                    "steps": window["steps"] + 1,
-                }
-            bar.update()
-
-            if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
-                steps = window["steps"] or math.nan  # every step skipped: no loss to report
-                metrics = {
-                    "train/loss": window["loss"] / steps,
-                    "train/accuracy": window["accuracy"] / steps,
-                    "train/lr": engine.get_lr()[0],
-                    "train/epoch": state.global_step / plan.steps_per_epoch,
-                    "train/skipped_steps": guard.skipped,
-                    **speed.metrics(),
-                }
-                tracker.log(metrics, step=state.global_step)
-                bar.set_postfix(
-                    loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/accuracy']:.2f}"
-                )
-                window = {"loss": 0.0, "accuracy": 0.0, "steps": 0}
-            if eval_due(cfg.step.eval_interval, state, total_steps):
-                log_eval()
-            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_steps):
-                save_checkpoint()
-            if signum := stop.requested():
-                save_checkpoint()
-                raise TrainingStopped(
-                    f"stopped by signal {signum} at step {state.global_step}; a checkpoint is "
-                    f"in {info.run_dir}/checkpoints: run the same command to resume",
-                    exit_code=128 + signum,
-                )
-            inject_faults(cfg.debug, state.global_step)
-    finally:
-        stop.close()
-        bar.close()
+                run.add(loss=loss, accuracy=accuracy, steps=1)
+            run.end_step(train_metrics(), evaluate=lambda: run.evaluate(evaluator, engine))
 
     # 5. final evaluation, score-vs-gold check, export with the score statistics
-    final = log_eval()
+    final = run.evaluate(evaluator, engine)
     if cfg.reward.gold_policy:
         gold = gold_correlation(engine, cfg, tokenizer, eval_rows, eot)
-        tracker.log(gold, step=state.global_step)
+        run.tracker.log(gold, step=state.global_step)
         final.update(gold)
     if cfg.step.save_model:
 
@@ -251,17 +173,23 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             info.run_dir / "model",
             extra_files={STATS_FILE: stats},
         )
-    summary = {
-        **final,
-        "train/loss": tracker.summary_metrics.get("train/loss", math.nan),
-        **speed.metrics(),
-        "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
-        "perf/wall_s": time.perf_counter() - started,
-        "train/steps": state.global_step,
-    }
-    tracker.summary(summary)
-    tracker.close()
-    return summary
+    train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
+    return run.finish(final, speed, **{"train/loss": train_loss})
+
+
+def pair_lengths(cfg: Config, train_rows) -> tuple[tuple[int, ...], int]:
+    """Each row's length for grouping and token budgets, and the budget of a micro batch:
+    micro_batch_size pairs of max_seq_len-wide sequences (a shared-prompt row holds both)."""
+    budget = cfg.optim.micro_batch_size * cfg.data.max_seq_len
+    if cfg.reward.share_prompt:  # a pair is one row: prompt + chosen + rejected
+        columns = zip(
+            train_rows["prompt_ids"], train_rows["chosen_ids"], train_rows["rejected_ids"]
+        )
+        return tuple(sum(map(len, row)) for row in columns), 2 * budget
+    answers = (
+        ("responses_ids",) if cfg.reward.loss == "listwise" else ("chosen_ids", "rejected_ids")
+    )
+    return row_lengths(train_rows, answers), budget
 
 
 def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:

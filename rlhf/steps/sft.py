@@ -10,20 +10,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, set_seed
 
-from rlhf import checkpoint
 from rlhf.algos import causal_lm_nll_sum, token_loss_scale
-from rlhf.config import Config, ConfigError
+from rlhf.config import Config
 from rlhf.data.collate import count_targets, rows_at, sft_batch
 from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
 from rlhf.data.pipeline import phase_dataset
 from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
+from rlhf.dist import all_reduce_sum, rank, world_size
 from rlhf.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
 from rlhf.evaluation import SFTEvaluator
 from rlhf.models import (
@@ -34,18 +32,8 @@ from rlhf.models import (
     load_tokenizer,
     model_path,
 )
-from rlhf.steps.loop import (
-    NonFiniteGuard,
-    RunInfo,
-    StopRequest,
-    Throughput,
-    TrainingStopped,
-    TrainState,
-    checkpoint_due,
-    eval_due,
-    inject_faults,
-)
-from rlhf.tracking import Tracker, peak_memory_gb
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
+from rlhf.tracking import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -63,165 +51,83 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
     eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
-    lengths = row_lengths(train_rows) if cfg.data.group_by_length else None
     plan = EpochPlan(
         len(train_rows),
         shape.micro_batch_size,
         shape.world_size,
         shape.grad_accum,
         cfg.data.seed,
-        lengths,
+        row_lengths(train_rows) if cfg.data.group_by_length else None,
     )
-    pad_to = cfg.data.max_seq_len if cfg.data.pad_to_max_len else None
-    sizes = row_lengths(train_rows) if cfg.optim.dynamic_batch and pad_to is None else None
-
-    def step_batches(epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro batches of one optimizer step."""
-        pad_id, on_prompt = tokenizer.pad_token_id, cfg.sft.loss_on_prompt
-        capacity = cfg.data.max_seq_len
-        if sizes is None:  # micro_batch_size rows each
-            micro_rows = [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
-            if cfg.sft.packing:  # the step's rows packed together
-                return packed_sft_batches(micro_rows, pad_id, on_prompt, capacity, pad_to)
-            return [sft_batch(rows, pad_id, on_prompt, pad_to) for rows in micro_rows]
-        indices, micro = plan.budget_micro_batches(
-            epoch,
-            step,
-            rank(),
-            sizes,
-            shape.micro_batch_size * capacity,
-            capacity if cfg.sft.packing else None,
-        )
-        rows = rows_at(train_rows, indices)
-        if cfg.sft.packing:
-            return [packed_batch(rows, bins, pad_id, on_prompt) for bins in micro]
-        return [sft_batch([rows[i] for b in bins for i in b], pad_id, on_prompt) for bins in micro]
-
-    if plan.steps_per_epoch == 0:
-        raise ConfigError(
-            f"data: the SFT phase has {len(train_rows)} training rows, fewer than one global "
-            f"batch ({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)"
-        )
-    total_steps = plan.steps_per_epoch * cfg.optim.epochs
-    if cfg.step.max_steps > 0:
-        total_steps = min(total_steps, cfg.step.max_steps)
+    batches = StepBatches(cfg, plan, train_rows, tokenizer.pad_token_id)
+    steps = total_steps(
+        plan,
+        cfg.optim.epochs,
+        cfg.step.max_steps,
+        f"the SFT phase has {len(train_rows)} training rows, fewer than one global batch "
+        f"({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)",
+    )
 
     # 2. model and engine
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
     lm = load_causal_lm(cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None)
     lm_config = lm.config
     lm = apply_lora(lm, cfg.lora)
-    engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, total_steps)
+    engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
     engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
     log.info(
         "SFT: %d train / %d eval rows, %d steps of %d rows, ZeRO-%d on %d rank(s)",
         len(train_rows),
         len(eval_rows),
-        total_steps,
+        steps,
         plan.global_batch_size,
         cfg.zero.stage,
         shape.world_size,
     )
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the untrained model first
-    state, window = TrainState(), {"nll": 0.0, "targets": 0.0}
-    resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
-    trainer = checkpoint.load(resume_from, {"model": engine}) if resume_from else None
-    if trainer is not None:
-        state, window = TrainState(**trainer["state"]), trainer["window"]
-    tracker = Tracker(
-        info.run_dir,
-        cfg.logger,
+    run = Run(
+        cfg,
+        info,
         "sft",
-        info.run_name,
-        info.config,
-        info.group,
-        enabled=rank() == 0,
-        resume=trainer and trainer["tracker"],
+        {"model": engine},
+        steps,
+        window=("nll", "targets"),
+        shown=("train/loss", "perf/tokens_per_s"),
+        started=started,
     )
-    evaluate = SFTEvaluator(cfg, tokenizer, eval_rows, eot)
-
-    def log_eval() -> dict[str, float]:
-        metrics = evaluate(engine)
-        tracker.log(metrics, step=state.global_step)
-        tracker.log_table(
-            "eval/samples", ["prompt", "answer"], evaluate.samples, step=state.global_step
-        )
-        return metrics
-
-    def save_checkpoint() -> None:
-        checkpoint.save(
-            info.run_dir,
-            state.global_step,
-            {"model": engine},
-            {
-                "state": asdict(state),
-                "window": dict(window),
-                "tracker": tracker.state(state.global_step),
-            },
-            cfg.step.keep_checkpoints,
-        )
-
-    if trainer is None and cfg.step.eval_at_start:
-        tracker.summary({f"initial/{k}": v for k, v in log_eval().items()})
+    evaluator = SFTEvaluator(cfg, tokenizer, eval_rows, eot)
+    run.evaluate_first(evaluator, engine)
 
     # 4. train
-    bar = tqdm(
-        total=total_steps,
-        initial=state.global_step,
-        desc="sft",
-        disable=rank() != 0 or not cfg.logger.progress_bar,
-    )
-    speed = Throughput()
-    stop, guard = StopRequest(), NonFiniteGuard(cfg.step.max_nonfinite_steps, engine)
-    try:
-        while state.global_step < total_steps:
-            micro_batches = step_batches(state.epoch, state.step_in_epoch)
+    speed, state = Throughput(), run.state
+
+    def train_metrics() -> dict[str, float]:
+        nll, targets = run.window["nll"], run.window["targets"]
+        return {
+            "train/loss": nll / targets if targets else math.nan,
+            "train/lr": engine.get_lr()[0],
+            "train/epoch": state.global_step / plan.steps_per_epoch,
+            "train/skipped_steps": run.guard.skipped,
+            **speed.metrics(),
+        }
+
+    with run.training():
+        while state.global_step < steps:
+            micro_batches = batches(state.epoch, state.step_in_epoch)
             speed.start()
             nll, targets, tokens = train_step(
-                engine, micro_batches, shape, cfg.optim.compute_fp32_loss, guard
+                engine, micro_batches, shape, cfg.optim.compute_fp32_loss, run.guard
             )
             speed.stop(tokens, plan.global_batch_size)
             state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-            guard.end_step(state.global_step)
+            run.guard.end_step(state.global_step)
             if math.isfinite(nll):
-                window["nll"] += nll
-                window["targets"] += targets
-            bar.update()
-
-            if state.global_step % cfg.step.log_interval == 0 or state.global_step == total_steps:
-                metrics = {
-                    "train/loss": window["nll"] / window["targets"]
-                    if window["targets"]
-                    else math.nan,
-                    "train/lr": engine.get_lr()[0],
-                    "train/epoch": state.global_step / plan.steps_per_epoch,
-                    "train/skipped_steps": guard.skipped,
-                    **speed.metrics(),
-                }
-                tracker.log(metrics, step=state.global_step)
-                bar.set_postfix(
-                    loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
-                )
-                window = {"nll": 0.0, "targets": 0.0}
-            if eval_due(cfg.step.eval_interval, state, total_steps):
-                log_eval()
-            if checkpoint_due(cfg.step.checkpoint_interval, state.global_step, total_steps):
-                save_checkpoint()
-            if signum := stop.requested():
-                save_checkpoint()
-                raise TrainingStopped(
-                    f"stopped by signal {signum} at step {state.global_step}; a checkpoint is "
-                    f"in {info.run_dir}/checkpoints: run the same command to resume",
-                    exit_code=128 + signum,
-                )
-            inject_faults(cfg.debug, state.global_step)
-    finally:
-        stop.close()
-        bar.close()
+                run.add(nll=nll, targets=targets)
+            run.end_step(train_metrics(), evaluate=lambda: run.evaluate(evaluator, engine))
 
     # 5. final evaluation, export, summary
-    final = log_eval()
+    final = run.evaluate(evaluator, engine)
     if cfg.step.save_model:
 
         def build_copy():
@@ -231,17 +137,49 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         export_pretrained(
             engine.module, cfg.zero.stage, build_copy, tokenizer, info.run_dir / "model"
         )
-    summary = {
-        **final,
-        "train/loss": tracker.summary_metrics.get("train/loss", math.nan),
-        **speed.metrics(),
-        "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
-        "perf/wall_s": time.perf_counter() - started,
-        "train/steps": state.global_step,
-    }
-    tracker.summary(summary)
-    tracker.close()
-    return summary
+    train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
+    return run.finish(final, speed, **{"train/loss": train_loss})
+
+
+@dataclass
+class StepBatches:
+    """This rank's micro batches of one optimizer step: micro_batch_size rows each, or (with
+    optim.dynamic_batch) as many rows as fit micro_batch_size x max_seq_len padded tokens;
+    with sft.packing the rows are packed into sequences of up to max_seq_len tokens."""
+
+    cfg: Config
+    plan: EpochPlan
+    rows: object  # the phase's tokenised train rows
+    pad_id: int
+
+    def __post_init__(self):
+        self.pad_to = self.cfg.data.max_seq_len if self.cfg.data.pad_to_max_len else None
+        dynamic = self.cfg.optim.dynamic_batch and self.pad_to is None
+        self.sizes = row_lengths(self.rows) if dynamic else None
+
+    def __call__(self, epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
+        on_prompt, packing = self.cfg.sft.loss_on_prompt, self.cfg.sft.packing
+        capacity = self.cfg.data.max_seq_len
+        if self.sizes is None:  # micro_batch_size rows each
+            micro = self.plan.micro_batches(epoch, step, rank())
+            micro_rows = [rows_at(self.rows, indices) for indices in micro]
+            if packing:  # the step's rows packed together
+                return packed_sft_batches(micro_rows, self.pad_id, on_prompt, capacity, self.pad_to)
+            return [sft_batch(rows, self.pad_id, on_prompt, self.pad_to) for rows in micro_rows]
+        indices, micro = self.plan.budget_micro_batches(
+            epoch,
+            step,
+            rank(),
+            self.sizes,
+            self.plan.micro_batch_size * capacity,
+            capacity if packing else None,
+        )
+        rows = rows_at(self.rows, indices)
+        if packing:
+            return [packed_batch(rows, bins, self.pad_id, on_prompt) for bins in micro]
+        return [
+            sft_batch([rows[i] for b in bins for i in b], self.pad_id, on_prompt) for bins in micro
+        ]
 
 
 def train_step(
