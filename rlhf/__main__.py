@@ -31,6 +31,9 @@ _RUN_TIME_ENV = "RLHF_RUN_TIME"
 
 
 def main() -> None:
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print_help([a for a in sys.argv[1:] if not a.startswith("-")])
+        return
     _accept_local_rank_flag()
     _share_run_time()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
@@ -101,6 +104,20 @@ def run_step(
         raise
     gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
+
+
+def print_help(overrides: list[str]) -> None:
+    """Every group and key, with the value ``overrides`` compose to and its meaning (Hydra's
+    own help: --hydra-help)."""
+    from hydra import compose, initialize_config_dir
+
+    from rlhf import help as key_help
+
+    OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
+    register_configs()
+    with initialize_config_dir(config_dir=str(key_help.CONF_DIR), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("config", overrides), resolve=True)
+    print(key_help.text(composed, key_help.config_groups()))
 
 
 def _fail(err: ConfigError) -> None:

@@ -3,8 +3,14 @@ before any model is built.
 
 YAML files under ``conf/`` hold values only; these dataclasses are registered in Hydra's
 ConfigStore, so an unknown key or a value of the wrong type is refused while composing.
-:func:`validate` then checks the semantics (ranges, divisibility, files that must exist) and
-reports every problem with its full key path.
+:func:`to_config` then checks the semantics (ranges, divisibility, combinations) and reports
+every problem with its full key path; ``rlhf.validate`` adds the checks that need the file
+system, the data adapters or the tasks.
+
+One source of defaults: the defaults below are what a plain ``python -m rlhf`` uses. YAML
+files under ``conf/`` hold alternatives only (a model, a dataset, a ZeRO stage, a step's own
+values, an experiment). The comment on or above each field is its meaning, shown by
+``python -m rlhf --help`` and docs/config.md.
 """
 
 from __future__ import annotations
@@ -33,6 +39,21 @@ SCHEDULERS = (
 LOGGER_BACKENDS = ("none", "wandb", "tensorboard")
 OVERLONG_PROMPTS = ("truncate", "skip", "error")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+# The embedded default model (model=tiny): an OPT built from this config with a fixed seed.
+TINY_INIT = {
+    "hidden_size": 128,
+    "word_embed_proj_dim": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "ffn_dim": 512,
+    "max_position_embeddings": 256,
+    "do_layer_norm_before": True,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "activation_dropout": 0.0,
+}
 
 
 class ConfigError(ValueError):
@@ -77,14 +98,15 @@ class ModelConfig:
 
     name: str = "tiny"  # a label for run names and tables
     path: str | None = None  # hub id or local dir (save_pretrained format); null: build from init
-    init: dict[str, Any] = field(default_factory=dict)  # OPTConfig kwargs for path=null
+    # OPTConfig arguments of the embedded model (path=null): 4 layers, hidden 128, ~1M parameters
+    init: dict[str, Any] = field(default_factory=lambda: dict(TINY_INIT))
     init_seed: int = 0  # seed of the random initialisation for path=null
     tokenizer: str | None = None  # hub id or dir; null: same as path (or the shipped tokenizer)
     dropout: float | None = None  # override every dropout probability; null keeps the model's
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16
     end_of_text_token: str | None = None  # appended to every answer; null: the tokenizer's EOS
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run a hub model's own code (off: only transformers')
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -123,13 +145,14 @@ class SourceConfig:
 class DataConfig:
     """The data of every step. Several sources blend; each is split into disjoint phases."""
 
+    # the raw datasets by name (a data=... option sets them; several blend)
     sources: dict[str, SourceConfig] = field(default_factory=dict)
     phase_split: list[int] = field(default_factory=lambda: [2, 4, 4])  # sft, reward, ppo shares
-    max_seq_len: int = 512  # prompt + answer tokens (SFT and reward)
-    max_prompt_len: int = 256  # prompt tokens, left-truncated (PPO prompts; eval generation)
+    max_seq_len: int = 512  # prompt + answer tokens (SFT and reward); data=toy: 64
+    max_prompt_len: int = 256  # prompt tokens, left-truncated (PPO prompts; generation); toy: 32
     # a prompt longer than max_prompt_len: truncate (keep BOS + its end) | skip the row | error
     overlong_prompts: str = "truncate"
-    max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all
+    max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all (data=toy: 1000)
     seed: int = 1234  # the phase split and the shuffle
     cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
     group_by_length: bool = True  # sort each global batch by length before cutting micro batches
@@ -169,12 +192,12 @@ class ZeroConfig:
 
     stage: int = 0  # 0 (plain data parallel), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
     offload: bool = False  # optimizer state to CPU (DeepSpeedCPUAdam), and parameters at stage 3
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_bucket_size: float = 5e8
-    stage3_param_persistence_threshold: float = 1e4
-    stage3_max_live_parameters: float = 3e7
-    stage3_prefetch_bucket_size: float = 3e7
+    overlap_comm: bool = True  # overlap gradient reduction with the backward pass
+    contiguous_gradients: bool = True  # copy gradients into one buffer as they are produced
+    reduce_bucket_size: float = 5e8  # elements reduced at a time
+    stage3_param_persistence_threshold: float = 1e4  # ZeRO-3: smaller parameters stay whole
+    stage3_max_live_parameters: float = 3e7  # ZeRO-3: gathered parameters kept at a time
+    stage3_prefetch_bucket_size: float = 3e7  # ZeRO-3: parameters fetched ahead of use
     extra: dict[str, Any] = field(default_factory=dict)  # merged into zero_optimization as is
 
     def problems(self) -> list[tuple[str, Any, str]]:
@@ -185,9 +208,10 @@ class ZeroConfig:
 class LoraConfig:
     """LoRA through PEFT; rank 0 disables it. Merged into the base weights at export."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = 0  # LoRA rank r; 0: no LoRA
+    alpha: float = 16.0  # scaling alpha (the update is scaled by alpha / r)
+    dropout: float = 0.0  # dropout on the LoRA input (must be 0 for PPO's trained models)
+    # the Linear layers that get adapters (OPT's names)
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
     )
@@ -215,12 +239,12 @@ class RoleOptimConfig:
     """An optimizer: AdamW and a transformers scheduler. PPO's actor and critic each have one;
     their batch sizes and epochs are PPO-wide (see PPOConfig)."""
 
-    lr: float = 9.65e-6
+    lr: float = 1e-4  # peak learning rate (DeepSpeed-Chat's opt-1.3b recipe: 9.65e-6 / 5e-6)
     weight_decay: float = 0.0  # not applied to biases and LayerNorm weights
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's beta1, beta2
+    eps: float = 1e-8  # AdamW's epsilon
     scheduler: str = "cosine"  # any transformers SchedulerType
-    warmup_steps: int = 100
+    warmup_steps: int = 5  # learning-rate warmup in optimizer steps
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float = 1.0  # 0 disables clipping
     compute_fp32_loss: bool = False  # upcast logits to fp32 for the loss under bf16/fp16
@@ -247,12 +271,12 @@ class RoleOptimConfig:
 class OptimConfig(RoleOptimConfig):
     """SFT and reward training: the optimizer, batch sizes and the number of epochs."""
 
-    lr: float = 1e-3
-    warmup_steps: int = 0
-    epochs: int = 1
-    micro_batch_size: int = 8  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
-    eval_micro_batch_size: int = 16
-    grad_accum: int = 1
+    lr: float = 1e-3  # peak learning rate (step=reward: 2e-4)
+    warmup_steps: int = 0  # learning-rate warmup in optimizer steps
+    epochs: int = 3  # passes over the step's training rows
+    micro_batch_size: int = 16  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
+    eval_micro_batch_size: int = 64  # rows per evaluation forward pass
+    grad_accum: int = 1  # micro batches per optimizer step
     # micro batches hold up to micro_batch_size x data.max_seq_len padded tokens instead of
     # micro_batch_size rows, so short rows share fewer, fuller passes (the step's rows and its
     # update do not change; off: DeepSpeed-Chat's fixed micro batches)
@@ -271,13 +295,13 @@ class LoggerConfig:
     """Tracking: metrics.jsonl and summary.json always; W&B or TensorBoard on top."""
 
     backend: str = "none"  # none | wandb | tensorboard
-    project: str = "rlhf"
-    entity: str | None = None
+    project: str = "rlhf"  # W&B project
+    entity: str | None = None  # W&B entity (team); null: your default
     group: str | None = None  # null: the sweep's name in a multirun
     name: str | None = None  # null: built from the command-line overrides
     mode: str = "auto"  # W&B: auto (offline without an API key) | online | offline | disabled
-    tags: list[str] = field(default_factory=list)
-    progress_bar: bool = True
+    tags: list[str] = field(default_factory=list)  # W&B tags of the run
+    progress_bar: bool = True  # a tqdm bar on rank 0
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -324,7 +348,7 @@ class RewardConfig:
     mse_targets: list[float] = field(default_factory=lambda: [1.0, -1.0])  # mse: chosen, rejected
     gold_policy: str | None = None  # a causal LM dir (the SFT export): score its sampled answers
     gold_eval_prompts: int = 128  # prompts answered by gold_policy for eval/gold_score_corr
-    gen_max_new_tokens: int = 32
+    gen_max_new_tokens: int = 32  # answer length of the gold_policy samples
     # run each pair as one row, prompt + chosen + rejected, the rejected answer attending to the
     # prompt and itself only: the prompt is computed once instead of twice (pairwise, mse)
     share_prompt: bool = False
@@ -360,33 +384,37 @@ class RoleConfig:
     (the reference model for the actor, the reward model for the critic) loads from the same
     path at the same ZeRO stage."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    optim: RoleOptimConfig = field(default_factory=RoleOptimConfig)
+    # the model (model@actor.model follows the top-level model option); dropout 0: PPO's
+    # old log-probs and values come from the same function the update trains
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(dropout=0.0))
+    zero: ZeroConfig = field(default_factory=ZeroConfig)  # its ZeRO stage and offload
+    lora: LoraConfig = field(default_factory=LoraConfig)  # its LoRA
+    optim: RoleOptimConfig = field(default_factory=RoleOptimConfig)  # its optimizer
     hybrid_engine: bool = False  # actor only: DeepSpeed's hybrid engine for generation (GPU)
     offload_twin: bool = False  # keep the frozen twin's parameters on CPU (ZeRO-3 param offload)
 
 
 @dataclass
 class PPOConfig:
-    """Step 3. Every constant DeepSpeed-Chat hard-codes is a key here, with its value."""
+    """Step 3. Every constant DeepSpeed-Chat hard-codes is a key here, with its value.
 
-    # batches: each iteration generates generation_batches x per_device_generation_batch_size
-    # prompts per rank, then runs ppo_epochs passes over them in per_device_training_batch_size
-    per_device_generation_batch_size: int = 16
-    per_device_training_batch_size: int = 16
-    generation_batches: int = 1
-    ppo_epochs: int = 1
+    Each iteration generates generation_batches x per_device_generation_batch_size prompts per
+    rank, then runs ppo_epochs passes over them in per_device_training_batch_size rows."""
+
+    # -- batches
+    per_device_generation_batch_size: int = 32  # prompts a rank generates for at once
+    per_device_training_batch_size: int = 32  # rollout rows per update micro batch
+    generation_batches: int = 1  # generation batches per iteration (DeepSpeed-Chat's)
+    ppo_epochs: int = 1  # passes over each iteration's rollout
     epochs: int = 1  # passes over the prompt set
-    grad_accum: int = 1
+    grad_accum: int = 1  # update micro batches per optimizer step
     prompt_sources: list[str] = field(default_factory=list)  # data.sources to take prompts from
-    # rollouts
+    # -- rollouts
     max_new_tokens: int = 0  # answer tokens; 0: data.max_seq_len - data.max_prompt_len
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
+    temperature: float = 1.0  # sampling temperature (log-probs are taken under it too)
+    top_p: float = 1.0  # nucleus sampling; 1: off
+    top_k: int = 0  # top-k sampling; 0: off
+    greedy: bool = False  # decode greedily (DeepSpeed-Chat's rollouts) instead of sampling
     min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
     stop_at_eos: bool = True  # false: always generate max_new_tokens (DeepSpeed-Chat's cost)
     # the KV cache of generation (HF's cache_implementation): static preallocates prompt +
@@ -403,40 +431,50 @@ class PPOConfig:
     # the experience and update passes run over the rollout's rows packed end to end
     # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
     packing: bool = False
-    # reward shaping
-    kl_coef: float = 0.1
-    kl_estimator: str = "k1"
+    # -- reward shaping
+    kl_coef: float = 0.1  # weight of the per-token KL penalty to the reference in the reward
+    kl_estimator: str = "k1"  # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0)
     adaptive_kl: bool = False  # Ziegler et al.'s proportional controller towards kl_target
+    # the adaptive controller's target: KL to the reference summed over an answer (per
+    # sequence, as in Ziegler et al.; verl and OpenRLHF's targets are per-token means)
     kl_target: float = 6.0
-    kl_horizon: int = 10000
-    clip_reward_value: float = 5.0
-    # (score - mean) / std with the reward export's eval stats; the critic's head is scaled by 1 / std
-    normalize_reward: bool = False
-    # a rule-based reward in place of the reward model (rlhf/reward_functions.py): toy_gold
+    kl_horizon: int = 10000  # samples over which the controller closes the gap
+    clip_reward_value: float = 5.0  # scores are clipped to +-this before shaping
+    # (score - mean) / std with the reward export's eval stats; the critic's head is scaled by
+    # 1 / std. null: on with a reward model, off with ppo.reward_function (used as is)
+    normalize_reward: bool | None = None
+    # a rule-based reward in place of the reward model (rlhf/rl/rewards.py): toy_gold
     # (1 for an answer the toy task's gold checker accepts, else 0) or package.module:function,
     # called with the decoded prompts and answers, returning one float per answer. The critic
     # still starts from critic.model.path (a causal LM there gets a new value head)
     reward_function: str | None = None
-    # advantages
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = False
-    # losses
-    clip_range: float = 0.2
+    # -- advantages
+    gamma: float = 1.0  # discount
+    lam: float = 0.95  # GAE's lambda
+    whiten_advantages: bool = True  # advantages to zero mean, unit variance over the rollout
+    # -- losses
+    clip_range: float = 0.2  # PPO's ratio clip epsilon
     dual_clip: float | None = None  # e.g. 3.0: bound the loss of negative-advantage tokens
-    clip_range_value: float = 0.2
-    entropy_coef: float = 0.0
+    clip_range_value: float = 0.2  # the value loss's clip around the old values
+    entropy_coef: float = 0.0  # weight of an entropy bonus in the actor's loss
     target_kl: float | None = None  # stop this iteration's PPO epochs once approx_kl exceeds it
-    # EMA of the actor, exported as actor_ema/
-    ema: bool = False
-    ema_beta: float = 0.992
-    # PTX: language modelling on unsupervised text, mixed into the actor's loss
+    # -- EMA of the actor, exported as actor_ema/
+    ema: bool = False  # keep an exponential moving average of the actor (actor_ema/)
+    ema_beta: float = 0.992  # its decay per iteration
+    # -- PTX: language modelling on unsupervised text, mixed into the actor's loss
     unsup_coef: float = 0.0  # DeepSpeed-Chat's value when enabled: 27.8
-    unsup_source: str = "toy"  # toy (the toy task's statements) or a local .txt/.jsonl file
-    unsup_rows: int = 4000
-    # evaluation on held-out prompts
-    eval_prompts: int = 128
-    eval_greedy: bool = True
+    unsup_source: str = "toy"  # a task's corpus (toy: its statements) or a .txt/.jsonl file
+    unsup_rows: int = 4000  # texts read from unsup_source
+    # -- evaluation on held-out prompts
+    eval_prompts: int = 128  # held-out prompts answered at each evaluation
+    eval_greedy: bool = True  # greedy answers for eval/reward and eval/gold_accuracy
+
+    @property
+    def normalizes_reward(self) -> bool:
+        """normalize_reward, resolved: null is on for a reward model, off for a function."""
+        if self.normalize_reward is None:
+            return self.reward_function is None
+        return self.normalize_reward
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -501,7 +539,7 @@ class PPOConfig:
             out.append(("max_new_tokens", self.max_new_tokens, "0 (fill max_seq_len) or more"))
         if self.temperature <= 0:
             out.append(("temperature", self.temperature, "a float > 0"))
-        if self.reward_function is not None and self.normalize_reward:
+        if self.reward_function is not None and self.normalize_reward is True:
             out.append(
                 (
                     "normalize_reward",
@@ -528,7 +566,7 @@ class DebugConfig:
 
     kill_at_step: int = -1  # SIGKILL this process after this step (and its checkpoint, if any)
     fail_at_step: int = -1  # raise an error at this step on rank fail_rank
-    fail_rank: int = 0
+    fail_rank: int = 0  # the rank that fail_at_step fails
 
 
 @dataclass
@@ -546,7 +584,7 @@ class Config:
     actor: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    seed: int = 1234
+    seed: int = 1234  # torch / numpy / python seeds of the run (data.seed fixes the data)
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
     run_dir: str | None = None  # null: Hydra's output dir (hydra.run.dir)

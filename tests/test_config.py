@@ -3,15 +3,19 @@ with a message naming the key, the value and what is accepted. In-process, nothi
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlhf.config import ConfigError, register_configs
+from rlhf.config import Config, ConfigError, register_configs
 from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
+    REPO,
     SWEEPS_DIR,
     assert_contains,
     compose,
@@ -260,3 +264,82 @@ def test_compose_time_errors(override, named):
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
         compose([override])
     assert named in str(err.value) + str(err.value.__cause__)
+
+
+# --- one source of defaults, every key documented ---------------------------------------------
+
+
+def test_every_key_has_a_meaning_and_the_reference_is_current():
+    from rlhf import help as key_help
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config))
+    undocumented = [key for key, _, meaning in key_help.reference(defaults) if not meaning]
+    assert undocumented == []
+    reference = REPO / "docs" / "config.md"
+    assert reference.read_text() == key_help.markdown(), (
+        "docs/config.md is stale: python -m rlhf.help > docs/config.md"
+    )
+
+
+@pytest.mark.parametrize("group", ["optim", "ppo", "step"])
+def test_step_and_default_options_restate_no_schema_default(group):
+    """A YAML value equal to the dataclass default would be a second source of it."""
+    defaults = OmegaConf.structured(Config)
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        values = OmegaConf.load(path)
+        node = values if group == "step" else OmegaConf.create({group: values})
+        for key in _leaf_keys(node):
+            if key in ("step.name",):
+                continue
+            restated = OmegaConf.select(defaults, key) == OmegaConf.select(node, key)
+            assert not restated, f"{path.relative_to(REPO)}: {key} restates the schema default"
+
+
+def test_a_plain_run_uses_the_schema_defaults():
+    """Composed with nothing on the command line, each step differs from the dataclass defaults
+    only in what its options choose: the data (data=toy), the step's own values."""
+    schema = OmegaConf.to_container(OmegaConf.structured(Config))
+    own = {
+        "sft": {"step.name"},
+        "reward": {"step.name", "optim.lr"},
+        "ppo": {"step.name", "step.eval_interval"},
+        "all": set(),
+    }
+    data_option = {"data.sources", "data.max_seq_len", "data.max_prompt_len", "data.max_eval_rows"}
+    for step, expected in own.items():
+        composed = OmegaConf.to_container(compose([f"step={step}"]), resolve=True)
+        differ = {
+            k for k in _leaf_keys(OmegaConf.create(schema)) if _get(schema, k) != _get(composed, k)
+        }
+        assert differ - data_option == expected, step
+
+
+def test_help_prints_each_key_with_its_composed_value_and_meaning():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf", "ppo.kl_coef=0.3", "--help"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("ppo.kl_coef="))
+    assert "ppo.kl_coef=0.3" in line and "KL penalty" in line
+    assert "step: all, ppo, reward, sft" in proc.stdout
+
+
+def _leaf_keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for key in node:
+        value = node[key]
+        full = f"{prefix}{key}"
+        if OmegaConf.is_dict(value) and full not in ("data.sources", "model.init", "zero.extra"):
+            out += _leaf_keys(value, f"{full}.")
+        elif isinstance(value, dict) and full not in ("data.sources", "model.init", "zero.extra"):
+            out += _leaf_keys(OmegaConf.create(value), f"{full}.")
+        else:
+            out.append(full)
+    return out
+
+
+def _get(container: dict, key: str):
+    for part in key.split("."):
+        container = container.get(part) if isinstance(container, dict) else None
+    return container

@@ -71,7 +71,7 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
     )
     critic_config = critic.hf.config
-    if ppo.normalize_reward:
+    if ppo.normalizes_reward:
         # Returns arrive in normalised reward units. A critic left in the reward model's raw
         # units starts with value errors of several stds, which GAE passes on as advantages.
         # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
@@ -143,7 +143,7 @@ def critic_stats(cfg: Config) -> dict | None:
     """The score statistics of the critic export: the reward model's, in the units the critic
     was scaled to (so normalising its scores again gives the same normalised values)."""
     stats = read_stats(cfg.critic.model.path)
-    if stats is None or not cfg.ppo.normalize_reward:
+    if stats is None or not cfg.ppo.normalizes_reward:
         return stats
     return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
 
@@ -165,12 +165,12 @@ def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
     """How the reward model's scores are read: the (mean, std) to normalise them by
     (ppo.normalize_reward) and the score position, from the reward export's statistics."""
     stats = read_stats(cfg.critic.model.path)
-    if cfg.ppo.normalize_reward and stats is None:
+    if cfg.ppo.normalizes_reward and stats is None:
         raise ConfigError(
             f"ppo.normalize_reward=true: {cfg.critic.model.path} has no reward_stats.json "
             "(export it with step=reward)"
         )
-    normalise = (stats["mean"], stats["std"]) if cfg.ppo.normalize_reward else None
+    normalise = (stats["mean"], stats["std"]) if cfg.ppo.normalizes_reward else None
     return normalise, (stats or {}).get("score_position", "last")
 
 

@@ -1,0 +1,117 @@
+"""The package's layers: every import points down (or sideways inside a layer), nothing imports
+the tools, and the module graph has no cycle. Every import statement counts, those inside
+functions too, so a cycle cannot hide behind a lazy import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
+
+# Bottom to top. A module may import modules of its own layer or of layers below it.
+LAYERS = (
+    ("rlhf.config", "rlhf.dist", "rlhf.files"),
+    ("rlhf.algos", "rlhf.tasks"),
+    ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
+    ("rlhf.data",),
+    ("rlhf.rl",),
+    ("rlhf.evaluation",),
+    ("rlhf.steps",),
+    ("rlhf.validate", "rlhf.help"),
+    ("rlhf.__main__",),
+)
+# Beside the pipeline: may import any of it, and nothing in the pipeline imports them.
+TOOLS = ("rlhf.tools", "rlhf.bench", "rlhf.compare", "rlhf.chat")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports, anywhere in its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            # `from rlhf.steps import sft` imports the module rlhf.steps.sft
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def layer(name: str) -> int | None:
+    for index, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return index
+    return None
+
+
+def is_tool(name: str) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in TOOLS)
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def test_every_module_has_a_place():
+    unplaced = [n for n in modules() if n != "rlhf" and layer(n) is None and not is_tool(n)]
+    assert unplaced == [], f"add these modules to a layer in {__file__}: {unplaced}"
+
+
+def test_imports_point_down_and_never_at_the_tools():
+    upward = []
+    for name, targets in graph().items():
+        for target in targets:
+            if is_tool(name):
+                continue
+            if is_tool(target) or (layer(target) or 0) > (layer(name) or 0):
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+def test_no_cycle():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(edges.get(name, ())):
+            if state.get(target) == 1:
+                cycle = [*path[path.index(target) :], target] if target in path else [name, target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_checker_finds_what_it_is_for(tmp_path):
+    """The walker sees function-level and relative imports (else the tests above prove nothing)."""
+    source = tmp_path / "probe.py"
+    source.write_text("def f():\n    from rlhf.steps import sft\n    from . import algos\n")
+    known = set(modules())
+    assert imports("rlhf.probe", source, known) == {"rlhf.steps.sft", "rlhf.algos"}
