@@ -468,6 +468,9 @@ class PPOConfig:
     # -- evaluation on held-out prompts
     eval_prompts: int = 128  # held-out prompts answered at each evaluation
     eval_greedy: bool = True  # greedy answers for eval/reward and eval/gold_accuracy
+    # answers sampled per held-out prompt at the rollout temperature: eval/kl,
+    # eval/reward_sampled, eval/gold_accuracy_sampled and eval/gold_score_corr
+    eval_samples: int = 4
 
     @property
     def normalizes_reward(self) -> bool:
@@ -486,6 +489,7 @@ class PPOConfig:
             "epochs",
             "grad_accum",
             "min_response_tokens",
+            "eval_samples",
         ):
             if getattr(self, key) < 1:
                 out.append((key, getattr(self, key), "an integer >= 1"))

@@ -1,7 +1,12 @@
 """Held-out evaluation of each step: SFT perplexity and gold accuracy of greedy answers, the
-reward model's pair accuracy and score statistics (and how its score tracks the gold checker on
-the SFT model's samples), PPO's reward, KL and gold accuracy. Every evaluator shards its rows
-over the ranks with the same number of batches on each (ZeRO-3 gathers collectively)."""
+reward model's pair accuracy and score statistics, PPO's reward, KL and gold accuracy, greedy
+and sampled. Every evaluator shards its rows over the ranks with the same number of batches on
+each (ZeRO-3 gathers collectively).
+
+Gold metrics exist wherever the data names a task (rlhf.tasks): ``eval/gold_accuracy`` counts
+answers its checker passes (right value AND clean form), and its halves ``eval/gold_correct``
+(right value, whatever the form) and ``eval/gold_clean`` (free of every habit) show which half
+moved; ``_sampled`` versions do the same for answers sampled at the rollout temperature."""
 
 from __future__ import annotations
 
@@ -45,9 +50,35 @@ def grade(row: dict, answer: str) -> tasks.Grade:
     return tasks.resolve(row["task"]).grade(row["prompt"], answer)
 
 
+def gold_sums(grades: list[tasks.Grade]) -> list[float]:
+    """[answers, passed, correct, clean] of some graded answers (summed over ranks by callers)."""
+    return [
+        len(grades),
+        sum(g.passed for g in grades),
+        sum(g.correct for g in grades),
+        sum(g.clean for g in grades),
+    ]
+
+
+def gold_metrics(sums: list[float], suffix: str = "") -> dict[str, float]:
+    """eval/gold_accuracy{suffix} and its halves from all ranks' :func:`gold_sums`."""
+    answers, passed, correct, clean = all_reduce_sum(*sums)
+    answers = max(answers, 1.0)
+    return {
+        f"eval/gold_accuracy{suffix}": passed / answers,
+        f"eval/gold_correct{suffix}": correct / answers,
+        f"eval/gold_clean{suffix}": clean / answers,
+    }
+
+
+def repeated(rows: list[dict], times: int) -> list[dict]:
+    """Each row ``times`` times in a row (several sampled answers to one prompt)."""
+    return [row for row in rows for _ in range(times)]
+
+
 class SFTEvaluator:
     """eval/loss and eval/ppl per answer token (whatever sft.loss_on_prompt), and, where the
-    prompts have a checkable answer, eval/gold_accuracy of greedy answers."""
+    prompts have a checker, eval/gold_accuracy (and its halves) of greedy answers."""
 
     sample_columns = ("prompt", "answer")
 
@@ -62,7 +93,7 @@ class SFTEvaluator:
         engine.eval()
         metrics = self.loss(engine)
         if self.gold_rows:
-            metrics["eval/gold_accuracy"] = self.gold_accuracy(engine)
+            metrics.update(self.gold(engine))
         engine.train()
         return metrics
 
@@ -86,8 +117,8 @@ class SFTEvaluator:
         loss = nll / max(targets, 1)
         return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
 
-    def gold_accuracy(self, engine) -> float:
-        correct = 0
+    def gold(self, engine) -> dict[str, float]:
+        grades = []
         for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
             rows = [self.gold_rows[i] for i in indices]
             rollout = generate(
@@ -99,11 +130,9 @@ class SFTEvaluator:
                 synced_gpus=self.cfg.zero.stage == 3 and world_size() > 1,
             )
             answers = decode_responses(self.tokenizer, rollout)
-            for row, answer, ok in zip(rows, answers, valid):
-                correct += ok and grade(row, answer).passed
+            grades += [grade(row, a) for row, a, ok in zip(rows, answers, valid) if ok]
             self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
-        (correct,) = all_reduce_sum(correct)
-        return correct / len(self.gold_rows)
+        return gold_metrics(gold_sums(grades))
 
 
 class PairEvaluator:
@@ -211,9 +240,14 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
 
 
 class PPOEvaluator:
-    """Greedy (or sampled) answers to held-out prompts: eval/reward, eval/kl to the reference,
-    eval/response_length and, on checkable data, eval/gold_accuracy. Warns when the reward
-    rises while gold accuracy falls or the answer length drifts: reward hacking."""
+    """Answers of the actor to held-out prompts, twice: greedy (ppo.eval_greedy) for
+    eval/reward, eval/response_length and, on data with a checker, eval/gold_accuracy and its
+    halves; sampled, ppo.eval_samples answers a prompt at the rollout temperature, for
+    eval/gold_accuracy_sampled (and halves), eval/reward_sampled, eval/kl (the KL to the
+    reference as ppo/kl measures it: the configured estimator at the sampling temperature,
+    summed over an answer) and eval/gold_score_corr (how the reward tracks the checker on the
+    policy's own samples). Warns when the reward rises while the checker says the answers got
+    worse (without a checker: while the answer length drifts): reward hacking."""
 
     sample_columns = ("prompt", "answer", "reward", "gold")
 
@@ -222,71 +256,92 @@ class PPOEvaluator:
     ):
         self.cfg, self.tokenizer, self.eot = cfg, tokenizer, eot
         self.score_position, self.reward_stats = score_position, reward_stats
-        gold = checkable_rows(eval_rows, cfg.ppo.eval_prompts)
-        count = min(cfg.ppo.eval_prompts, len(eval_rows))
+        ppo = cfg.ppo
+        gold = checkable_rows(eval_rows, ppo.eval_prompts)
+        count = min(ppo.eval_prompts, len(eval_rows))
         self.rows = gold or rows_at(eval_rows, list(range(count)))
         self.checkable = bool(gold)
-        self.sampling = Sampling(
-            max_new_tokens(cfg),
-            greedy=cfg.ppo.eval_greedy,
-            temperature=cfg.ppo.temperature,
-            top_p=cfg.ppo.top_p,
-            top_k=cfg.ppo.top_k,
-        )
+        common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
+        self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
+        self.sampled = Sampling(max_new_tokens(cfg), greedy=False, **common)
         self.samples: list[list] = []
         self.first: dict[str, float] | None = None
         self.warnings = 0
 
     @torch.no_grad()
     def __call__(self, models: Models) -> dict[str, float]:
-        sums = torch.zeros(5, dtype=torch.float64)  # rows, reward, kl, length, gold
-        synced = self.cfg.actor.zero.stage == 3 and world_size() > 1
-        for indices, valid in eval_shards(len(self.rows), 64, world_size(), rank()):
-            rows = [self.rows[i] for i in indices]
-            rollout = generate(
-                models.actor.module,
-                [r["prompt_ids"] for r in rows],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                self.sampling,
-                synced,
-            )
-            reward, kl = self._score(models, rollout)
-            answers = decode_responses(self.tokenizer, rollout)
-            gold = [float(self.checkable and grade(r, a).passed) for r, a in zip(rows, answers)]
-            keep = torch.tensor(valid, dtype=torch.float64)
-            sums += torch.stack(
-                [
-                    keep.sum(),
-                    (reward * keep).sum(),
-                    (kl * keep).sum(),
-                    (rollout.response_mask.sum(1) * keep).sum(),
-                    (torch.tensor(gold, dtype=torch.float64) * keep).sum(),
-                ]
-            )
-            self.samples = [
-                [r["prompt"], a, float(s), bool(g)]
-                for r, a, s, g in zip(rows[:4], answers[:4], reward[:4], gold[:4])
-            ]
-        rows, reward, kl, length, gold = all_reduce_sum(*sums.tolist())
+        greedy = self._answers(models, self.greedy, self.rows)
         metrics = {
-            "eval/reward": reward / rows,
-            "eval/kl": kl / rows,
-            "eval/response_length": length / rows,
+            "eval/reward": _mean(greedy["reward"]),
+            "eval/response_length": _mean(greedy["length"]),
         }
+        sampled = self._answers(
+            models, self.sampled, repeated(self.rows, self.cfg.ppo.eval_samples)
+        )
+        metrics.update(
+            {"eval/reward_sampled": _mean(sampled["reward"]), "eval/kl": _mean(sampled["kl"])}
+        )
         if self.checkable:
-            metrics["eval/gold_accuracy"] = gold / rows
+            metrics.update(gold_metrics(gold_sums(greedy["grade"])))
+            metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
+            metrics["eval/gold_score_corr"] = _correlation(
+                sampled["reward"], [float(g.passed) for g in sampled["grade"]]
+            )
         self._watch(metrics)
         return metrics
 
-    def _score(self, models: Models, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _answers(self, models: Models, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
+        """This rank's answers to its shard of ``rows``: reward, KL, length and grade of each."""
+        synced = self.cfg.actor.zero.stage == 3 and world_size() > 1
+        out: dict[str, list] = {"reward": [], "kl": [], "length": [], "grade": []}
+        for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+            batch = [rows[i] for i in indices]
+            rollout = generate(
+                models.actor.module,
+                [r["prompt_ids"] for r in batch],
+                self.tokenizer.pad_token_id,
+                self.eot,
+                sampling,
+                synced,
+            )
+            reward, kl = self._score(models, rollout, sampling)
+            answers = decode_responses(self.tokenizer, rollout)
+            grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
+            lengths = rollout.response_mask.sum(1).tolist()
+            for i in (i for i, ok in enumerate(valid) if ok):
+                out["reward"].append(reward[i].item())
+                out["kl"].append(kl[i].item())
+                out["length"].append(lengths[i])
+                out["grade"].append(grades[i])
+            if sampling is self.greedy:
+                self.samples = [
+                    [r["prompt"], a, float(s), bool(g and g.passed)]
+                    for r, a, s, g in zip(batch[:4], answers[:4], reward[:4], grades[:4])
+                ]
+        if not self.checkable:
+            del out["grade"]
+        return out
+
+    def _score(
+        self, models: Models, rollout: Rollout, sampling: Sampling
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) rewards (normalised as in training) and KL estimates summed over each answer,
+        under the temperature the answers were drawn at."""
         device = model_device(models.actor)
         sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
         start = rollout.prompt_width - 1
-        logprobs, _ = response_logprobs(models.actor, sequences, mask, start)
-        ref_logprobs, _ = response_logprobs(models.reference, sequences, mask, start)
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        logprobs, _ = response_logprobs(
+            models.actor, sequences, mask, start, temperature=temperature
+        )
+        ref_logprobs, _ = response_logprobs(
+            models.reference, sequences, mask, start, temperature=temperature
+        )
         response_mask = rollout.response_mask.to(device)
-        kl = algos.masked_sum(logprobs.float() - ref_logprobs.float(), response_mask, dim=1)
+        per_token = algos.kl_penalty(
+            logprobs.float(), ref_logprobs.float(), self.cfg.ppo.kl_estimator
+        )
+        kl = algos.masked_sum(per_token, response_mask, dim=1)
         scores = reward_scores(
             models.reward, sequences, mask, rollout.prompt_width, response_mask, self.score_position
         )
@@ -295,24 +350,44 @@ class PPOEvaluator:
         return scores.double().cpu(), kl.double().cpu()
 
     def _watch(self, metrics: dict[str, float]) -> None:
+        """With a checker, reward hacking is a reward that rises while greedy gold accuracy or
+        its correct half falls; without one, the answer length drifting is the proxy."""
         if self.first is None:
             self.first = metrics
             return
-        rising = metrics["eval/reward"] > self.first["eval/reward"]
-        gold_falls = (
-            "eval/gold_accuracy" in metrics
-            and metrics["eval/gold_accuracy"] < self.first["eval/gold_accuracy"] - 0.05
-        )
-        length_ratio = metrics["eval/response_length"] / max(
-            self.first["eval/response_length"], 1e-6
-        )
-        if rising and (gold_falls or not 0.5 <= length_ratio <= 2.0):
+        first = self.first
+        if metrics["eval/reward"] <= first["eval/reward"]:
+            return
+        if self.checkable:
+            fell = [
+                key
+                for key in ("eval/gold_accuracy", "eval/gold_correct")
+                if metrics[key] < first[key] - 0.05
+            ]
+            why = f"{' and '.join(fell)} fell" if fell else None
+        else:
+            ratio = metrics["eval/response_length"] / max(first["eval/response_length"], 1e-6)
+            why = None if 0.5 <= ratio <= 2.0 else f"answer length changed x{ratio:.2f}"
+        if why:
             self.warnings += 1
             log.warning(
                 "possible reward hacking: eval/reward %.3f -> %.3f while %s",
-                self.first["eval/reward"],
+                first["eval/reward"],
                 metrics["eval/reward"],
-                "gold accuracy fell"
-                if gold_falls
-                else f"answer length changed x{length_ratio:.2f}",
+                why,
             )
+
+
+def _mean(values: list[float]) -> float:
+    total, count = all_reduce_sum(sum(values), len(values))
+    return total / max(count, 1.0)
+
+
+def _correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's r of every rank's (x, y) pairs; nan when either is constant."""
+    pairs = gather_lists(list(zip(xs, ys)))
+    x = torch.tensor([a for a, _ in pairs], dtype=torch.float64)
+    y = torch.tensor([b for _, b in pairs], dtype=torch.float64)
+    if len(pairs) < 2 or x.std() == 0 or y.std() == 0:
+        return math.nan
+    return torch.corrcoef(torch.stack([x, y]))[0, 1].item()

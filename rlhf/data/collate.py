@@ -36,12 +36,18 @@ def left_pad(
     return ids, mask
 
 
+def demonstration(row: dict) -> list[int]:
+    """The answer SFT imitates: the row's demonstration (``response_ids``) when its source has
+    one, else the chosen answer."""
+    return row.get("response_ids") or row["chosen_ids"]
+
+
 def sft_batch(
     rows: list[dict], pad_id: int, loss_on_prompt: bool, pad_to: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """prompt + chosen (+ end-of-text). ``labels`` hold the token ids where the loss counts and
-    IGNORE_INDEX elsewhere: padding never counts, the prompt only with loss_on_prompt."""
-    seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows]
+    """prompt + demonstration (+ end-of-text). ``labels`` hold the token ids where the loss
+    counts and IGNORE_INDEX elsewhere: padding never counts, the prompt only with loss_on_prompt."""
+    seqs = [r["prompt_ids"] + demonstration(r) for r in rows]
     input_ids, attention_mask = right_pad(seqs, pad_id, pad_to)
     labels = torch.where(attention_mask.bool(), input_ids, IGNORE_INDEX)
     if not loss_on_prompt:

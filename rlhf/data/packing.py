@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.data.collate import IGNORE_INDEX, pair_batch
+from rlhf.data.collate import IGNORE_INDEX, demonstration, pair_batch
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -36,7 +36,7 @@ def packed_sft_batch(
     another row. ``labels`` hold exactly the unpacked targets: a row's first token is never one
     (it would be predicted from the previous row). ``attention_mask`` stays 2D, 1 on real tokens
     (for counting)."""
-    bins = pack_bins([len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows], capacity)
+    bins = pack_bins([len(r["prompt_ids"]) + len(demonstration(r)) for r in rows], capacity)
     return packed_batch(rows, bins, pad_id, loss_on_prompt, pad_to)
 
 
@@ -53,7 +53,7 @@ def packed_sft_batches(
     step's global target count. With fewer sequences than micro batches, each micro batch is
     packed on its own."""
     rows = [r for batch in micro_rows for r in batch]
-    bins = pack_bins([len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows], capacity)
+    bins = pack_bins([len(r["prompt_ids"]) + len(demonstration(r)) for r in rows], capacity)
     if len(bins) < len(micro_rows):
         return [packed_sft_batch(b, pad_id, loss_on_prompt, capacity, pad_to) for b in micro_rows]
     count = len(micro_rows)
@@ -70,7 +70,7 @@ def packed_batch(
     pad_to: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The packed tensors of ``bins`` (lists of positions in ``rows``), one sequence a bin."""
-    lengths = [len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in rows]
+    lengths = [len(r["prompt_ids"]) + len(demonstration(r)) for r in rows]
     width = max(pad_to or 0, max(sum(lengths[i] for i in b) for b in bins))
     input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     labels = torch.full((len(bins), width), IGNORE_INDEX, dtype=torch.long)
@@ -80,7 +80,7 @@ def packed_batch(
         offset = 0
         for segment, i in enumerate(members):
             ids, end = (
-                torch.tensor(rows[i]["prompt_ids"] + rows[i]["chosen_ids"]),
+                torch.tensor(rows[i]["prompt_ids"] + demonstration(rows[i])),
                 offset + lengths[i],
             )
             first = offset + max(1, 0 if loss_on_prompt else len(rows[i]["prompt_ids"]))

@@ -3,7 +3,8 @@
 Every phase uses the same tokenised form, so the reward model sees exactly the token sequences
 PPO will score: ``prompt_ids`` (BOS + prompt, left-truncated to max_prompt_len) and the answers
 ``chosen_ids`` / ``rejected_ids`` (answer tokens + end-of-text, cut so prompt + answer fit in
-max_seq_len). Prompt and answer are tokenised separately, because PPO generates after the
+max_seq_len), and ``response_ids``, the demonstration SFT imitates, when a source has one that
+differs from the chosen answer (a task's uneven demonstrations). Prompt and answer are tokenised separately, because PPO generates after the
 prompt's own tokens and the reward model must see that same split.
 
 Bad data fails here, before any model is built, with a :class:`SourceError` (exit status 2):
@@ -251,6 +252,8 @@ class _Tokenize:
         }
         if TASK in batch:
             out[TASK] = [batch[TASK][i] for i in keep]
+        if "response" in batch:  # the demonstration SFT imitates
+            out["response_ids"] = self.answer([batch["response"][i] for i in keep], lens)
         if "responses" in batch:
             out["responses_ids"] = [
                 self.answer(list(batch["responses"][i]), [n] * len(batch["responses"][i]))

@@ -146,7 +146,10 @@ def eval_shards(
     ]
 
 
-def row_lengths(rows, answers: tuple[str, ...] = ("chosen_ids",)) -> tuple[int, ...]:
-    """Prompt + longest answer of every row (for length-grouped batches)."""
+def row_lengths(rows, answers: tuple[str, ...] | None = None) -> tuple[int, ...]:
+    """Prompt + longest answer of every row (for length-grouped batches); by default the answer
+    SFT imitates (the demonstration, else chosen)."""
+    if answers is None:
+        answers = ("response_ids",) if "response_ids" in rows.column_names else ("chosen_ids",)
     longest = [max(map(len, a)) for a in zip(*(rows[c] for c in answers))]
     return tuple(len(p) + n for p, n in zip(rows["prompt_ids"], longest))

@@ -2,7 +2,9 @@
 
 ``prompt`` is the exact text the model is conditioned on and ends where the answer starts, so
 ``prompt + chosen`` is the full text. ``responses`` (only from sources that have a ranked-list column)
-holds K answers ranked best to worst.
+holds K answers ranked best to worst. ``response`` (optional) is the demonstration SFT imitates when it
+is not the chosen answer: a task's uneven demonstrations, or a local file's column mapped explicitly
+(``columns.response``); without it SFT imitates ``chosen``, as DeepSpeed-Chat does.
 
 Prompts follow DeepSpeed-Chat's ``raw_datasets.py``: Dahoas sets (and the toy task, in the same schema)
 use their prompt as is ("\\n\\nHuman: ...\\n\\nAssistant:", answers start with a space); the others are
@@ -64,7 +66,7 @@ from rlhf.config import ConfigError
 from rlhf.data.split import train_eval_indices
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
-COLUMN_KEYS = (*PAIR_COLUMNS, "responses")
+COLUMN_KEYS = (*PAIR_COLUMNS, "responses", "response")
 LOCAL_EXTENSIONS = (".jsonl", ".json", ".parquet")
 PATH_ACCEPTED = "an existing .jsonl/.json/.parquet file or save_to_disk directory"
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -115,10 +117,14 @@ def dahoas_pair(row: Row) -> Row | None:
 
 def task_pair(row: Row) -> Row | None:
     """A task's generated rows (the toy task's too): rm-static's schema, plus the ranked
-    ``responses`` when generated."""
+    ``responses`` when generated and the ``response`` SFT imitates when it differs from chosen."""
     pair = _pair(row["prompt"], row["chosen"], row["rejected"])
     if pair is not None and row.get("responses"):
         pair["responses"] = list(row["responses"])
+    if pair is not None and "response" in row:
+        if not _is_text(row["response"]):
+            return None
+        pair["response"] = row["response"]
     return pair
 
 
@@ -208,6 +214,10 @@ def local_pair(row: Row, template: str = "{prompt}") -> Row | None:
     pair = _pair(prompt, _join(prompt, chosen), _join(prompt, rejected))
     if pair is not None and ranked is not None:
         pair["responses"] = ranked
+    if pair is not None and "response" in row:  # mapped explicitly: the demonstration
+        if not _is_text(row["response"]):
+            return None
+        pair["response"] = _join(prompt, row["response"])
     return pair
 
 
@@ -486,7 +496,9 @@ def _schema_columns(source: Any, data: datasets.Dataset) -> datasets.Dataset:
         return data
     columns = dict(source.columns or {})
     column_of = {key: columns.get(key, key) for key in COLUMN_KEYS}
-    mapping = {column_of[key]: key for key in COLUMN_KEYS if column_of[key] in present}
+    # a demonstration column is read only when mapped: a file's own "response" may be anything
+    keys = [key for key in COLUMN_KEYS if key != "response" or "response" in columns]
+    mapping = {column_of[key]: key for key in keys if column_of[key] in present}
     # the prompt and every explicitly mapped column must exist
     needed = [column_of["prompt"], *(columns[key] for key in COLUMN_KEYS if key in columns)]
     if "responses" not in mapping.values():
@@ -505,10 +517,10 @@ def _check_columns(source: Any, needed: Sequence[str], present: Sequence[str]) -
         )
 
 
-def _features(with_responses: bool) -> datasets.Features:
+def _features(columns: Sequence[str]) -> datasets.Features:
     string = datasets.Value("string")
-    features = dict.fromkeys(PAIR_COLUMNS, string)
-    if with_responses:
+    features = dict.fromkeys(columns, string)
+    if "responses" in columns:
         list_of = getattr(datasets, "List", datasets.Sequence)  # datasets >= 4 has List
         features["responses"] = list_of(string)
     return datasets.Features(features)
@@ -539,19 +551,27 @@ def load_pairs(source: Any, split: str, seed: int) -> tuple[datasets.Dataset, in
         raise SourceError(f"source {describe(source)}: {listed}")
     raw = _raw_split(source, split, seed)
     if len(raw) == 0 and not raw.column_names:  # an empty file: no rows, no columns
-        return datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(False)), 0
+        return datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(PAIR_COLUMNS)), 0
     raw = _schema_columns(source, raw)
     to_pair = ADAPTERS[source.adapter].to_pair
     if source.adapter == "local":
         to_pair = partial(local_pair, template=source.prompt_template)
-    out_columns = [*PAIR_COLUMNS, *(["responses"] if "responses" in raw.column_names else [])]
+    # the demonstration (response), kept from a task's rows or a local file's mapped column
+    keeps_response = "response" in raw.column_names and (
+        source.adapter in GENERATED or "response" in (source.columns or {})
+    )
+    out_columns = [
+        *PAIR_COLUMNS,
+        *(["responses"] if "responses" in raw.column_names else []),
+        *(["response"] if keeps_response else []),
+    ]
     try:
         pairs = raw.map(
             _map_batch,
             batched=True,
             fn_kwargs={"to_pair": to_pair, "out_columns": out_columns},
             remove_columns=raw.column_names,
-            features=_features("responses" in out_columns),
+            features=_features(out_columns),
             desc=f"mapping {source.adapter}",
         )
     except UnicodeDecodeError as err:  # a parquet file or saved dataset (files are checked first)
