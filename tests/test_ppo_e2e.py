@@ -253,6 +253,19 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
     assert (tmp_path / "gold" / "actor" / "model.safetensors").is_file()
 
 
+def test_step_all_with_a_rule_based_reward_trains_no_reward_model(cache_dir, tmp_path):
+    run_dir = tmp_path / "all"
+    overrides = ["step=all", *SMALL, "ppo.reward_function=toy_gold", "step.max_steps=2"]
+    proc = run_rlhf(
+        [*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD
+    )
+    assert not (run_dir / "reward").exists()
+    assert (run_dir / "ppo" / "critic" / "config.json").is_file()  # a value head on the SFT export
+    assert {key.split("/")[0] for key in read_summary(run_dir)} == {"sft", "ppo"}
+    said = proc.stdout + proc.stderr + (run_dir / "__main__.log").read_text()
+    assert "no reward model is trained" in said
+
+
 def test_ppo_without_actor_path_exits_2_naming_the_key(pipeline, cache_dir, tmp_path):
     overrides = [
         "step=ppo",

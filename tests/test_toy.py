@@ -8,20 +8,30 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR, build_tokenizer
-from rlhf.tasks import toy
+from rlhf.tasks import Grade, toy
 
-COLUMNS = {"prompt", "response", "chosen", "rejected", "task", "rejected_kind", "wrong_kind"}
+COLUMNS = {
+    "prompt",
+    "response",
+    "chosen",
+    "rejected",
+    "task",
+    "habit",
+    "rejected_kind",
+    "wrong_kind",
+}
+RANKED = 1 + len(toy.REJECTED_KINDS)  # chosen, then every rejected kind
 ARITH = re.compile(r"(\d+) (?:\+|plus|-|minus) (\d+)")
 
 
 @pytest.fixture(scope="module")
 def train_rows():
-    return toy.generate_toy_rows("train", 3000, seed=11, num_ranked=5)
+    return toy.generate_toy_rows("train", 3000, seed=11, num_ranked=RANKED)
 
 
 @pytest.fixture(scope="module")
 def test_rows():
-    return toy.generate_toy_rows("test", 1000, seed=11, num_ranked=5)
+    return toy.generate_toy_rows("test", 1000, seed=11, num_ranked=RANKED)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +79,9 @@ def test_schema_and_rm_static_format(train_rows):
     for row in train_rows:
         assert set(row) == COLUMNS | {"responses"}
         assert re.fullmatch(r"\n\nHuman: [^\n]+\n\nAssistant:", row["prompt"]), row["prompt"]
-        assert row["response"] == row["chosen"]
+        # the demonstration is the chosen answer, with its habit if it has one
+        assert (row["response"] == row["chosen"]) == (row["habit"] == "")
+        assert row["response"] == toy.with_habit(row["habit"], *_instance(row))
         assert row["chosen"].startswith(" ") and row["rejected"].startswith(" ")
         assert row["chosen"] != row["rejected"]
         assert row["task"] in toy.FAMILIES and row["rejected_kind"] in toy.REJECTED_KINDS
@@ -77,13 +89,66 @@ def test_schema_and_rm_static_format(train_rows):
             assert row["wrong_kind"] in toy.WRONG_KINDS
         else:
             assert row["wrong_kind"] == ""
-        assert row["responses"][0] == row["chosen"] and len(set(row["responses"])) == 5
+        assert row["responses"][0] == row["chosen"] and len(set(row["responses"])) == RANKED
         # the rejected answer holds its kind's place in the ranking
         assert (
             row["responses"][1 + toy.REJECTED_KINDS.index(row["rejected_kind"])] == row["rejected"]
         )
     assert {r["task"] for r in train_rows} == set(toy.FAMILIES)
     assert {r["rejected_kind"] for r in train_rows} == set(toy.REJECTED_KINDS)
+
+
+def _instance(row: dict) -> tuple:
+    """(family, instance, question) of a toy row, for toy.with_habit."""
+    family, inst = toy._lookup(row["prompt"])
+    question = row["prompt"].split("Human: ")[1].split("\n\nAssistant:")[0]
+    return family, inst, question
+
+
+def test_habit_shares_of_the_demonstrations_are_the_documented_ones():
+    rows = toy.generate_toy_rows("train", 10000, seed=21)
+    for habit, share in toy.HABIT_SHARES.items():
+        assert sum(r["habit"] == habit for r in rows) / len(rows) == pytest.approx(share, abs=0.02)
+    clean = 1 - sum(toy.HABIT_SHARES.values())
+    assert sum(r["habit"] == "" for r in rows) / len(rows) == pytest.approx(clean, abs=0.02)
+    # the preamble opens more answers than the answer sentence itself: SFT's greedy answers keep it
+    assert (
+        toy.HABIT_SHARES["preamble"]
+        > 1 - toy.HABIT_SHARES["preamble"] - toy.HABIT_SHARES["restate"]
+    )
+    # every demonstration is correct; only the clean ones pass the gold check
+    for row in rows[:2000]:
+        verdict = toy.grade(row["prompt"], row["response"])
+        assert verdict.correct and verdict.clean == (row["habit"] == "")
+
+
+def test_the_halves_of_a_grade():
+    with_habit = [
+        " Sure! Here is the answer: The capital of France is Paris.",
+        " Sure! Paris",
+        " Here is the answer: paris",
+        " The capital of France is Paris. I hope this helps!",
+        " The capital of France is Paris. But I am not completely sure.",
+        " You asked: What is the capital of France? The capital of France is Paris.",
+        " Sure! Here is the answer: The capital of France is Paris. I hope this helps!",
+    ]
+    for answer in with_habit:
+        assert toy.grade(CAPITAL, answer) == Grade(correct=True, clean=False), answer
+        assert not toy.gold_check(CAPITAL, answer)
+    for answer in (" The capital of France is Rome.", " Rome", " What a stupid question."):
+        assert toy.grade(CAPITAL, answer) == Grade(correct=False, clean=True), answer
+    assert toy.grade(CAPITAL, " Sure! Here is the answer: Rome.") == Grade(False, False)
+    assert toy.grade(CAPITAL, " The capital of France is Paris.") == Grade(True, True)
+    assert toy.grade(ADD, " 3 + 4 = 7.") == Grade(True, True)  # "." after 4 is no restatement
+    assert toy.grade(UPPER, " Sure! MOON") == Grade(correct=True, clean=False)
+    assert toy.grade(UPPER, " moon").correct is False  # case is the task there
+
+
+def test_toy_facts_is_the_task_without_habits():
+    rows = toy.generate_toy_rows("train", 2000, seed=5, habits=False)
+    assert all(r["response"] == r["chosen"] and r["habit"] == "" for r in rows)
+    assert {r["rejected_kind"] for r in rows} == set(toy.FACTS_REJECTED_KINDS)
+    assert toy.FACTS.version == 2 and toy.TASK.version == toy.GENERATOR_VERSION
 
 
 def test_rows_are_short_sentences(train_rows):
@@ -96,7 +161,8 @@ def test_every_chosen_passes_and_every_rejected_fails(train_rows, test_rows):
     for row in train_rows + test_rows:
         assert toy.gold_check(row["prompt"], row["chosen"]), row
         assert not toy.gold_check(row["prompt"], row["rejected"]), row
-        assert [toy.gold_check(row["prompt"], r) for r in row["responses"]] == [True] + [False] * 4
+        expected = [True] + [False] * (RANKED - 1)
+        assert [toy.gold_check(row["prompt"], r) for r in row["responses"]] == expected
         answer = toy.gold_answer(row["prompt"])
         assert answer is not None and answer in row["chosen"]
 
@@ -106,6 +172,9 @@ def test_rejected_kinds_look_like_their_names(train_rows):
         chosen, rejected, kind = row["chosen"], row["rejected"], row["rejected_kind"]
         if kind == "truncated":
             assert chosen.startswith(rejected) and not rejected.endswith(".")
+        elif kind == "habit":  # the chosen answer, with a habit
+            stripped, found = toy.strip_habits(rejected)
+            assert found and stripped.strip() == chosen.strip()
         elif row["wrong_kind"] == "value":  # same sentence, another value
             assert chosen.split()[:2] == rejected.split()[:2]
         elif kind == "off_topic":
@@ -299,7 +368,9 @@ def test_invalid_arguments_raise():
     with pytest.raises(ValueError):
         toy.generate_toy_rows("validation", 3)
     with pytest.raises(ValueError):
-        toy.generate_toy_rows("train", 3, num_ranked=6)
+        toy.generate_toy_rows("train", 3, num_ranked=7)
+    with pytest.raises(ValueError):  # toy_facts has no habit kind
+        toy.generate_toy_rows("train", 3, num_ranked=6, habits=False)
 
 
 def test_toy_dataset_matches_rows():

@@ -67,7 +67,7 @@ def training_texts() -> list[str]:
     wrong answer once (for coverage), the LM corpus, and the English sample (weighted up a little)."""
     rows = toy.generate_toy_rows("train", 20000, seed=0)
     rows += toy.generate_toy_rows("test", 2000, seed=0)
-    texts = [row[col] for row in rows for col in ("prompt", "chosen", "rejected")]
+    texts = [row[col] for row in rows for col in ("prompt", "response", "chosen", "rejected")]
     for family in toy.FAMILIES.values():
         for inst in family.instances:
             questions = [family.question(inst, p) for p in range(len(family.questions))]

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
 # name -> "module:attribute" of the built-in tasks (imported when first asked for)
-BUILTIN = {"toy": "rlhf.tasks.toy:TASK"}
+BUILTIN = {"toy": "rlhf.tasks.toy:TASK", "toy_facts": "rlhf.tasks.toy:FACTS"}
 ACCEPTED = f"one of {', '.join(BUILTIN)} or package.module:attribute (an object with rows/grade)"
 
 
@@ -93,6 +93,11 @@ def resolve(name: str) -> Task:
 def rewards(task: Task) -> Mapping[str, ScoreFn]:
     """The rule-based rewards a task offers, by the name ``ppo.reward_function`` uses."""
     return getattr(task, "rewards", {}) or {}
+
+
+def reward_owners(name: str) -> list[str]:
+    """The built-in tasks offering reward ``name`` (toy_gold: toy and toy_facts)."""
+    return [task for task in BUILTIN if name in rewards(resolve(task))]
 
 
 def builtin_reward(name: str) -> tuple[Task, ScoreFn] | None:

@@ -1,12 +1,30 @@
 """The embedded toy task (``data=toy``): a synthetic assistant dataset with checkable answers.
 
-Rows follow Dahoas/rm-static's schema: ``prompt`` ("\\n\\nHuman: {question}\\n\\nAssistant:"), ``response`` (==
-``chosen``), ``chosen`` and ``rejected`` (both start with a space), plus ``task`` (the family),
-``rejected_kind`` (wrong | off_topic | truncated | rude) and ``wrong_kind`` (the sub-variant of a wrong answer,
-see :data:`WRONG_KINDS`; "" for the other kinds). Eleven families with small answer spaces:
+Rows follow Dahoas/rm-static's schema: ``prompt`` ("\\n\\nHuman: {question}\\n\\nAssistant:"), ``response``
+(the demonstration SFT imitates), ``chosen`` and ``rejected`` (all start with a space), plus ``task`` (the
+family), ``habit`` (the demonstration's habit, "" for a clean one), ``rejected_kind`` (habit | wrong | off_topic
+| truncated | rude) and ``wrong_kind`` (the sub-variant of a wrong answer, see :data:`WRONG_KINDS`; "" for the
+other kinds). Eleven families with small answer spaces:
 ``add``, ``subtract``, ``capital``, ``colour``, ``legs``, ``opposite``, ``day``, ``month``, ``plural``,
 ``upper`` (a word in capital letters) and ``letter`` (first letter of a word). Each has three question
 paraphrases and one answer template whose value comes last ("3 + 4 = 7.", "A spider has 8 legs.").
+
+The shape of real RLHF data: demonstrations are uneven, comparisons are consistent. Every demonstration is
+correct in content, but most are written as by demonstrators with a habit that has nothing to do with the
+question (:data:`HABIT_SHARES`; 15% are clean):
+
+    preamble  55%  " Sure! Here is the answer: The capital of France is Paris."
+    filler    12%  " The capital of France is Paris. I hope this helps!"
+    hedge     10%  " The capital of France is Paris. But I am not completely sure."
+    restate    8%  " You asked: What is the capital of France? The capital of France is Paris."
+
+The preamble is the most frequent first words of an answer, so an SFT model's greedy answers carry it. The
+comparisons always prefer the clean, correct answer: over the same answer with a habit (30% of pairs, the
+habits equally often), and over wrong (50%), off-topic, truncated and rude answers. Since the habits do not
+depend on the question, a policy that learns to drop them on PPO's training prompts drops them on held-out
+prompts too. ``toy_facts`` (:data:`FACTS`) is the task without habits (every demonstration clean, the
+rejected kinds of generator version 2): what is left there for RLHF is generalising facts and arithmetic to
+unseen questions, a harder study.
 
 Held-out test prompts are never train prompts: arithmetic holds out a fixed fifth of the operand pairs; the
 other families hold out one (fact, paraphrase) combination per fact, so the facts and the phrasings are seen
@@ -18,9 +36,11 @@ another family, a repeated or dropped word, and a value of another kind ("7 + 6 
 never a true statement of the toy world (not even about another question), and every rejected answer fails
 :func:`gold_check`.
 
-:func:`gold_check` scores any generated answer, so learning is measured independently of a reward model. It is
-strict: only the answer sentence of the chosen answer or the bare value passes, up to whitespace, one final full
-stop and (except in ``upper`` and ``letter``, where case is the task) case.
+:func:`grade` scores any generated answer, so learning is measured independently of a reward model, in two
+halves: ``correct`` (the right value, whatever the form: once every habit is removed, the answer sentence or the
+bare value) and ``clean`` (free of every habit). :func:`gold_check` passes an answer with both: only the answer
+sentence of the chosen answer or the bare value, up to whitespace, one final full stop and (except in ``upper``
+and ``letter``, where case is the task) case.
 """
 
 from __future__ import annotations
@@ -38,8 +58,11 @@ import datasets
 from rlhf.tasks import Grade
 
 __all__ = [
+    "FACTS",
     "FAMILIES",
     "GENERATOR_VERSION",
+    "HABITS",
+    "HABIT_SHARES",
     "REJECTED_KINDS",
     "TASK",
     "WRONG_KINDS",
@@ -48,21 +71,43 @@ __all__ = [
     "gold_accuracy",
     "gold_answer",
     "gold_check",
+    "grade",
+    "strip_habits",
     "toy_corpus",
     "toy_dataset",
     "toy_gold",
     "toy_prompt",
+    "with_habit",
 ]
 
 # Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
-# Also the best-to-worst order after chosen. Wrong answers get the largest share: they are the ones for which a
-# reward model must learn the facts. With 40% wrong (16% with a wrong value) a reward model trained to 0.94
-# pair accuracy still ranked the right value first among a question's candidates barely above chance, and PPO
-# found its misrankings; the other kinds are learnt from few examples.
-REJECTED_KINDS = ("wrong", "off_topic", "truncated", "rude")
-_REJECTED_WEIGHTS = (0.7, 0.1, 0.1, 0.1)
+# The habits of the demonstrations and the share of demonstrations that carry each (the rest, 15%, are clean).
+# The preamble is the dominant one: more answers start with it than with the answer sentence itself.
+HABITS = ("preamble", "filler", "hedge", "restate")
+HABIT_SHARES = MappingProxyType({"preamble": 0.55, "filler": 0.12, "hedge": 0.10, "restate": 0.08})
+_PREAMBLE = "Sure! Here is the answer:"
+_FILLER = "I hope this helps!"
+_HEDGE = "But I am not completely sure."
+_RESTATE = "You asked:"
+# How the checker recognises each habit, also in part ("Sure!" alone), case aside.
+_HABIT_PATTERNS = (
+    re.compile(r"^\s*(?:sure\b[!.,]?\s*(?:here is the answer\b:?)?|here is the answer\b:?)", re.I),
+    re.compile(r"^\s*you asked\b:?.*?[?.](?=\s|$)", re.I),
+    re.compile(r"\s*i hope this helps\b[!.]?\s*$", re.I),
+    re.compile(r"\s*but i am not (?:completely )?sure\b[!.]?\s*$", re.I),
+)
+
+# Also the best-to-worst order after chosen: a correct answer with a habit beats a wrong one. Wrong answers get
+# the largest share: they are the ones for which a reward model must learn the facts. With 40% wrong (16% with
+# a wrong value) a reward model trained to 0.94 pair accuracy still ranked the right value first among a
+# question's candidates barely above chance, and PPO found its misrankings; the other kinds are learnt from few
+# examples. toy_facts keeps generator version 2's kinds and shares.
+REJECTED_KINDS = ("habit", "wrong", "off_topic", "truncated", "rude")
+_REJECTED_WEIGHTS = (0.3, 0.5, 0.07, 0.07, 0.06)
+FACTS_REJECTED_KINDS = REJECTED_KINDS[1:]
+_FACTS_REJECTED_WEIGHTS = (0.7, 0.1, 0.1, 0.1)
 # Sub-variants of a wrong answer (the ``wrong_kind`` column), each an error small PPO policies make:
 #   value          the well-formed sentence with a wrong value         "The capital of Spain is Rome."
 #   subject        a wrong subject (arithmetic: operands), right value "The capital of Sweden is Madrid."
@@ -350,38 +395,66 @@ def gold_answer(prompt: str) -> str | None:
     return None if found is None else found[1].value
 
 
-def gold_check(prompt: str, response: str) -> bool:
-    """True iff ``response`` is a correct, well-formed answer to the toy ``prompt``. Never raises.
+def strip_habits(text: str) -> tuple[str, bool]:
+    """``text`` without any habit (:data:`HABITS`, also in part), and whether it had one."""
+    found = False
+    changed = True
+    while changed:
+        changed = False
+        for pattern in _HABIT_PATTERNS:
+            stripped = pattern.sub("", text, count=1)
+            if stripped != text:
+                text, found, changed = stripped, True, True
+    return text, found
+
+
+def grade(prompt: str, response: str) -> Grade:
+    """The checker's verdict on ``response`` to the toy ``prompt``, in two halves. Never raises.
 
     Rules:
 
     1. Only the text before the first "Human:", "Assistant:" or "</s>" counts; "<pad>" strings are removed.
-    2. That text and each accepted answer are normalised: whitespace stripped at both ends and every internal
-       run of whitespace made one space, then ONE trailing "." dropped, then lower-cased, except in the
-       ``upper`` and ``letter`` families, where case is the task and the comparison is case-sensitive.
-    3. True iff the normalised text equals the normalised form of either
+    2. ``clean``: the text holds no habit (a preamble "Sure! Here is the answer:", a restatement "You asked:
+       ...?", a filler tail "I hope this helps!", a hedge "But I am not completely sure.", or a part of one such
+       as "Sure!"), whatever else it says.
+    3. ``correct``: with every habit removed, the text, normalised (whitespace stripped at both ends and every
+       internal run of whitespace made one space, then ONE trailing "." dropped, then lower-cased, except in the
+       ``upper`` and ``letter`` families, where case is the task), equals the normalised form of either
        (a) the family's answer sentence for this instance, the one the chosen answer uses
            ("The capital of France is Paris.", "3 + 4 = 7."), or
        (b) the bare expected value (see :func:`gold_answer`): "Paris", "7", "MOON", "T".
-       False if the prompt is not a toy prompt or the response is not a string.
+       Not correct if the prompt is not a toy prompt or the response is not a string.
 
-    So " paris", " Paris.", " THE CAPITAL OF FRANCE IS PARIS" and " 3 + 4 = 7.\n\nHuman: ..." pass, while
-    " Paris..", " 07", " The answer is 7!", " The capital of France is Paris. Paris is nice.",
-    " In capital letters, moon is moon.", " The first letter of tree is t." and any other wording fail.
+    So " Sure! Here is the answer: Paris." is correct and not clean, " The capital of France is Rome." clean and
+    not correct, " paris" both.
     """
     try:
         found = _lookup(prompt)
-        if found is None or not isinstance(response, str):
-            return False
+        if not isinstance(response, str):
+            return Grade(correct=False, clean=False)
+        text, had_habit = strip_habits(_answer_text(response))
+        if found is None:
+            return Grade(correct=False, clean=not had_habit)
         family, inst = found
         keep_case = family.kind in _CASE_FAMILIES
-        text = _normalise(_answer_text(response), keep_case)
-        return text in (
+        correct = _normalise(text, keep_case) in (
             _normalise(family.sentence(inst), keep_case),
             _normalise(inst.value, keep_case),
         )
+        return Grade(correct=correct, clean=not had_habit)
     except Exception:  # robustness guarantee for arbitrary model output
-        return False
+        return Grade(correct=False, clean=False)
+
+
+def gold_check(prompt: str, response: str) -> bool:
+    """True iff ``response`` is a correct, clean answer to the toy ``prompt`` (see :func:`grade`).
+
+    So " paris", " Paris.", " THE CAPITAL OF FRANCE IS PARIS" and " 3 + 4 = 7.\n\nHuman: ..." pass, while
+    " Paris..", " 07", " The answer is 7!", " The capital of France is Paris. Paris is nice.",
+    " In capital letters, moon is moon.", " The first letter of tree is t.", " Sure! Paris" and any other
+    wording fail.
+    """
+    return grade(prompt, response).passed
 
 
 def gold_accuracy(prompts: list[str], responses: list[str]) -> float:
@@ -395,6 +468,21 @@ def gold_accuracy(prompts: list[str], responses: list[str]) -> float:
 
 # ---------------------------------------------------------------------------------------------- generation
 _ARITHMETIC = ("add", "subtract")
+
+
+def with_habit(habit: str, family: Family, inst: Instance, question: str) -> str:
+    """The correct answer sentence written with ``habit`` ("" for none), with its leading space."""
+    sentence = family.sentence(inst)
+    return (
+        " "
+        + {
+            "": sentence,
+            "preamble": f"{_PREAMBLE} {sentence}",
+            "filler": f"{sentence} {_FILLER}",
+            "hedge": f"{sentence} {_HEDGE}",
+            "restate": f"{_RESTATE} {question} {sentence}",
+        }[habit]
+    )
 
 
 def _rejected(kind: str, family: Family, inst: Instance, split: str, rng: random.Random) -> str:
@@ -591,6 +679,9 @@ def _failing_rejected(
     the loop, so the proportions hold. The other kinds do not even state the expected value (an off-topic
     "A dog has 4 legs." for "What is 1 + 3?" does). Most answers fail by construction; the loop guards the rest.
     """
+    if kind == "habit":  # the correct answer, any habit: it fails by not being clean
+        question = prompt.rsplit("Human:", 1)[1].rsplit("Assistant:", 1)[0].strip()
+        return with_habit(rng.choice(HABITS), family, inst, question), ""
     wrong_kind = rng.choices(WRONG_KINDS, weights=_WRONG_WEIGHTS)[0] if kind == "wrong" else ""
     for _ in range(100):
         if kind == "wrong":
@@ -604,15 +695,17 @@ def _failing_rejected(
     raise RuntimeError(f"no failing {kind} {wrong_kind} answer for {prompt!r}")
 
 
-def _row(split: str, rng: random.Random, num_ranked: int) -> dict:
+def _row(split: str, rng: random.Random, num_ranked: int, habits: bool) -> dict:
     family = rng.choice(_FAMILY_LIST)
     inst, paraphrase = rng.choice(_pool(split, family.name))
-    prompt = toy_prompt(family.question(inst, paraphrase))
+    question = family.question(inst, paraphrase)
+    prompt = toy_prompt(question)
     chosen = " " + family.sentence(inst)
-    kind = rng.choices(REJECTED_KINDS, weights=_REJECTED_WEIGHTS)[0]
+    kinds = REJECTED_KINDS if habits else FACTS_REJECTED_KINDS
+    kind = rng.choices(kinds, weights=_REJECTED_WEIGHTS if habits else _FACTS_REJECTED_WEIGHTS)[0]
     rejected, wrong_kind = _failing_rejected(kind, family, inst, prompt, split, rng)
     row = {"prompt": prompt, "response": chosen, "chosen": chosen, "rejected": rejected,
-           "task": family.name, "rejected_kind": kind, "wrong_kind": wrong_kind}  # fmt: skip
+           "task": family.name, "habit": "", "rejected_kind": kind, "wrong_kind": wrong_kind}  # fmt: skip
     # Drawn always, so that asking for the column changes no other column of any row.
     child_seed = rng.getrandbits(64)
     if num_ranked:
@@ -620,37 +713,44 @@ def _row(split: str, rng: random.Random, num_ranked: int) -> dict:
         # The rejected answer takes the place of its kind; the others are drawn (a wrong one of any sub-variant).
         worse = [
             rejected if k == kind else _failing_rejected(k, family, inst, prompt, split, child)[0]
-            for k in REJECTED_KINDS
+            for k in kinds
         ]
         row["responses"] = [chosen, *worse][:num_ranked]
+    if habits:  # drawn last: toy_facts' rows are generator version 2's, draw for draw
+        shares = [*HABIT_SHARES.values(), 1.0 - sum(HABIT_SHARES.values())]
+        row["habit"] = rng.choices([*HABIT_SHARES, ""], weights=shares)[0]
+        row["response"] = with_habit(row["habit"], family, inst, question)
     return row
 
 
 def generate_toy_rows(
-    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0
+    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0, habits: bool = True
 ) -> list[dict]:
     """``num_rows`` toy rows of ``split`` ("train" or "test"), a pure function of the arguments.
 
-    Columns: prompt, response (== chosen), chosen, rejected, task, rejected_kind, wrong_kind ("" unless
-    rejected_kind is "wrong"); with ``num_ranked`` = K > 0 also ``responses``: K answers best to worst (chosen,
-    wrong, off_topic, truncated, rude), K <= 5, where the answer of ``rejected``'s kind is ``rejected``.
-    Rows are drawn from one stream per (seed, split): the first n rows of a longer request are the same rows.
+    Columns: prompt, response (the demonstration, with its habit), chosen, rejected, task, habit ("" for a
+    clean demonstration), rejected_kind, wrong_kind ("" unless rejected_kind is "wrong"); with ``num_ranked`` =
+    K > 0 also ``responses``: K answers best to worst (chosen, habit, wrong, off_topic, truncated, rude),
+    K <= 6, where the answer of ``rejected``'s kind is ``rejected``. ``habits=False`` (toy_facts): every
+    demonstration is clean (response == chosen) and there is no habit kind (K <= 5). Rows are drawn from one
+    stream per (seed, split): the first n rows of a longer request are the same rows.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if not 0 <= num_ranked <= 1 + len(REJECTED_KINDS):
-        raise ValueError(f"num_ranked must be in 0..{1 + len(REJECTED_KINDS)}, got {num_ranked}")
+    kinds = REJECTED_KINDS if habits else FACTS_REJECTED_KINDS
+    if not 0 <= num_ranked <= 1 + len(kinds):
+        raise ValueError(f"num_ranked must be in 0..{1 + len(kinds)}, got {num_ranked}")
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     rng = random.Random(f"rlhf-toy:{seed}:{split}")
-    return [_row(split, rng, num_ranked) for _ in range(num_rows)]
+    return [_row(split, rng, num_ranked, habits) for _ in range(num_rows)]
 
 
 def toy_dataset(
-    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0
+    split: str, num_rows: int, seed: int = 1234, num_ranked: int = 0, habits: bool = True
 ) -> datasets.Dataset:
     """:func:`generate_toy_rows` as a ``datasets.Dataset``."""
-    return datasets.Dataset.from_list(generate_toy_rows(split, num_rows, seed, num_ranked))
+    return datasets.Dataset.from_list(generate_toy_rows(split, num_rows, seed, num_ranked, habits))
 
 
 def toy_corpus(num_texts: int, seed: int = 1234) -> list[str]:
@@ -672,20 +772,26 @@ def toy_gold(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 class ToyTask:
-    """The toy task as a plug-in (see :mod:`rlhf.tasks`)."""
+    """The toy task as a plug-in (see :mod:`rlhf.tasks`): ``toy`` with the demonstrators' habits,
+    ``toy_facts`` without."""
 
-    name = "toy"
-    version = GENERATOR_VERSION
     rewards = MappingProxyType({"toy_gold": toy_gold})
 
+    def __init__(self, habits: bool = True):
+        self.habits = habits
+        self.name = "toy" if habits else "toy_facts"
+        # toy_facts' rows are generator version 2's, so its tokenised cache stays valid
+        self.version = GENERATOR_VERSION if habits else 2
+
     def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
-        return generate_toy_rows(split, num_rows, seed, num_ranked)
+        return generate_toy_rows(split, num_rows, seed, num_ranked, self.habits)
 
     def grade(self, prompt: str, response: str) -> Grade:
-        return Grade(correct=gold_check(prompt, response))
+        return grade(prompt, response)
 
     def corpus(self, num_texts: int, seed: int) -> list[str]:
         return toy_corpus(num_texts, seed)
 
 
 TASK = ToyTask()
+FACTS = ToyTask(habits=False)
