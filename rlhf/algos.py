@@ -1,4 +1,4 @@
-"""Pure tensor math of reward-model training and PPO.
+"""Pure tensor math of reward-model training, PPO and DPO.
 
 Conventions:
 - PPO tensors are (B, T) over the RESPONSE positions only: the caller slices full-sequence tensors with
@@ -379,3 +379,105 @@ def divergence_span_loss(
     diff = _clean(chosen_values, span) - _clean(rejected_values, span)
     per_pair = masked_mean(-F.logsigmoid(diff), span, dim=-1)
     return masked_mean(per_pair, end > 0)
+
+
+# ---------------------------------------------------------------- DPO and its variants
+# Preference losses on pairs of answers to one prompt. Each takes the (B,) "log-ratios" of the
+# chosen and the rejected answers, log pi(y | x) - log ref(y | x) for the reference-based
+# losses and the length-normalised log pi(y | x) alone for SimPO, and returns (B,) per-pair
+# losses: the caller averages them (weighting micro batches by their pairs). The implicit reward
+# of an answer is beta x its log-ratio (``beta * chosen``, ``beta * rejected``).
+
+
+def sequence_logprobs(
+    logits: Tensor, input_ids: Tensor, response_mask: Tensor, reduction: str = "sum"
+) -> Tensor:
+    """log pi(answer | prompt) of each sequence: logits (B, T, V) over the whole sequence,
+    input_ids (B, T), response_mask (B, T) True on the answer's tokens -> (B,).
+
+    Token t is predicted by the logits at t - 1. reduction "sum": the answer's log-probability;
+    "mean": per answer token (length-normalised, 0 for an empty answer). Prompt and padding
+    positions count nowhere, whatever their logits.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    token_logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
+    mask = response_mask[:, 1:]
+    reduce = masked_sum if reduction == "sum" else masked_mean
+    return reduce(token_logprobs, mask, dim=1)
+
+
+def dpo_sigmoid_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * (chosen - rejected) - margin) per pair.
+
+    chosen, rejected: (B,) log-ratios. label_smoothing eps in [0, 0.5): conservative DPO (cDPO,
+    Mitchell 2023), the label flipped with probability eps:
+    -(1 - eps) log sigmoid(z) - eps log sigmoid(-z). margin: subtracted inside the sigmoid (0
+    for DPO; SimPO's gamma). Returns (B,). At chosen == rejected with eps = margin = 0: log 2.
+    """
+    z = beta * (chosen - rejected) - margin
+    return -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def ipo_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """IPO (Azar et al. 2023): (chosen - rejected - 1 / (2 beta))^2 per pair; the log-ratio gap
+    is pulled to a finite target instead of to infinity. chosen, rejected: (B,) log-ratios
+    (length-normalised by default, as TRL does). Returns (B,). Takes no label smoothing or margin.
+    """
+    _refuse(label_smoothing, margin, "ipo")
+    return (chosen - rejected - 1.0 / (2.0 * beta)) ** 2
+
+
+def hinge_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """SLiC's hinge (Zhao et al. 2023): max(0, 1 - beta * (chosen - rejected)) per pair; pairs
+    already separated by 1 / beta get no gradient. chosen, rejected: (B,) log-ratios.
+    Returns (B,). Takes no label smoothing or margin."""
+    _refuse(label_smoothing, margin, "hinge")
+    return F.relu(1.0 - beta * (chosen - rejected))
+
+
+def simpo_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """SimPO (Meng et al. 2024), reference-free: -log sigmoid(beta * (chosen - rejected) - margin)
+    per pair, where chosen, rejected: (B,) are the policy's length-normalised log-probs (mean per
+    answer token, no reference) and margin is the target reward margin gamma. label_smoothing as
+    in :func:`dpo_sigmoid_loss`. Returns (B,)."""
+    return dpo_sigmoid_loss(chosen, rejected, beta, label_smoothing, margin)
+
+
+def _refuse(label_smoothing: float, margin: float, name: str) -> None:
+    if label_smoothing or margin:
+        raise ValueError(f"the {name} loss takes no label_smoothing or margin")
+
+
+# name -> loss; ``REFERENCE_FREE`` ones compare the policy's own log-probs (no reference model)
+PREFERENCE_LOSSES = {
+    "sigmoid": dpo_sigmoid_loss,
+    "ipo": ipo_loss,
+    "hinge": hinge_loss,
+    "simpo": simpo_loss,
+}
+REFERENCE_FREE = ("simpo",)
