@@ -19,6 +19,9 @@ from torch import Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 Dim = int | tuple[int, ...] | None
+# log-ratios are clamped to +-this before exp (as verl does): e^20 is already far past any clip,
+# and a larger one would overflow to inf in half precision (and in fp32 past ~88)
+MAX_LOG_RATIO = 20.0
 
 
 def _clean(x: Tensor, mask: Tensor) -> Tensor:
@@ -145,7 +148,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
 
     logprobs, ref_logprobs: (B, T) log-probs of the sampled tokens under policy and reference.
     estimator: "k1" = logp - ref (unbiased, can be < 0); "k2" = 0.5 * (logp - ref)^2;
-    "k3" = exp(ref - logp) - 1 - (ref - logp) (unbiased, >= 0). Returns (B, T); no masking.
+    "k3" = exp(ref - logp) - 1 - (ref - logp) (unbiased, >= 0; the log-ratio clamped to
+    +-MAX_LOG_RATIO first). Returns (B, T); no masking.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
@@ -153,6 +157,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
+        log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"unknown kl estimator {estimator!r}; accepted: {', '.join(KL_ESTIMATORS)}")
 
@@ -221,6 +226,7 @@ def policy_loss(
 
     logprobs: (B, T) current policy; old_logprobs, advantages: (B, T) from the rollout; response_mask: (B, T).
     clip_range: eps. dual_clip: c > 1 (Ye et al. 2020): for A < 0 the token loss is at most c * |A|.
+    The log-ratio is clamped to +-MAX_LOG_RATIO before exp (a token that far off gets no gradient).
     Stats: approx_kl = mean of k3 = (r - 1) - log r (KL(old || new), unbiased, >= 0); clipfrac = fraction of
     real tokens where the eps clip was active; ratio_max, ratio_mean (0 with no real token); with dual_clip,
     dual_clipfrac.
@@ -229,7 +235,9 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = response_mask.bool()
     adv = _clean(advantages, mask)
-    log_ratio = _clean(logprobs, mask) - _clean(old_logprobs, mask)
+    log_ratio = (_clean(logprobs, mask) - _clean(old_logprobs, mask)).clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO
+    )
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)

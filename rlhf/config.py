@@ -130,6 +130,8 @@ class SourceConfig:
     subset: str | None = None  # the hub dataset's config name
     train_split: str = "train"
     eval_split: str | None = "test"  # null: carve the eval rows out of train_split
+    # a separate local file (or directory) whose rows are the eval rows; eval_split then null
+    eval_path: str | None = None
     eval_fraction: float = 0.1  # share of train_split used for eval when eval_split is null
     columns: dict[str, str] = field(default_factory=dict)  # local: prompt/chosen/rejected -> column
     prompt_template: str = "{prompt}"  # local: how a raw prompt becomes the model's prompt
@@ -171,7 +173,11 @@ class DataConfig:
             or not any(self.phase_split)
         ):
             out.append(
-                ("phase_split", list(self.phase_split), "three non-negative weights, e.g. [2,4,4]")
+                (
+                    "phase_split",
+                    list(self.phase_split),
+                    "three non-negative weights, not all zero, e.g. [2,4,4]",
+                )
             )
         if self.max_seq_len < 2:
             out.append(("max_seq_len", self.max_seq_len, "an integer >= 2"))

@@ -2,7 +2,9 @@
 phases of one source are disjoint; prompts and answers are cut as documented."""
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,50 @@ def test_answers_end_with_end_of_text_unless_cut(tmp_path, tokenizer):
                 assert len(row["prompt_ids"]) + len(ids) == max_seq_len
                 cut += 1
     assert cut >= 20 and whole >= 20  # both cases were exercised
+
+
+def _data_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("data local/")]
+
+
+def test_counts_are_logged_on_every_run_for_one_scope(tmp_path, tokenizer, caplog, builds):
+    rows = _unique_rows(100)
+    for row in rows[:10]:
+        row["rejected"] = row["chosen"]  # skipped: nothing to compare
+    data = _data(_write_pairs(tmp_path / "p.jsonl", rows), tmp_path / "cache")
+    eot = tokenizer.eos_token_id
+    runs = []
+    for _ in range(2):  # the second run finds the entry in the cache
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rlhf.data.pipeline"):
+            phase_dataset(data, "sft", "eval", tokenizer, eot)
+        runs.append(_data_lines(caplog))
+    assert len(builds) == 1
+    assert runs[0] == runs[1] and len(runs[0]) == 1
+    [line] = runs[0]
+    # eval rows carved out of the train split, and every count of that same split
+    assert line.startswith("data local/eval (carved out of its train split: it has no eval split")
+    read, skipped, usable, kept = (
+        int(n) for n in re.findall(r"(\d+) (?:rows read|skipped|usable|of them)", line)
+    )
+    assert read == 10 and read - skipped == usable and kept <= usable
+    assert f"{kept} of them for sft" in line
+
+
+def test_a_saved_dataset_source_is_cached_outside_its_folder(tmp_path, tokenizer):
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list(_unique_rows(60)).save_to_disk(str(folder))
+    before = sorted(p.name for p in folder.rglob("*"))
+    cache = tmp_path / "cache"
+    data = _data(folder, cache)
+    eot = tokenizer.eos_token_id
+    out = [phase_dataset(data, p, "train", tokenizer, eot) for p in pipeline.PHASES]
+    assert sum(map(len, out)) == 54  # 60 rows less the 6 carved out for eval
+    assert sorted(p.name for p in folder.rglob("*")) == before  # nothing written beside the data
+    assert len(_dirs(cache)) == 3
+    # the key covers the folder's files: an added file is a new entry
+    (folder / "README.md").write_text("notes")
+    key = pipeline.cache_key(data, "sft", "train", tokenizer, eot)
+    assert not any(d.endswith(key[:20]) for d in _dirs(cache))

@@ -1,6 +1,7 @@
 """Source adapters: each hub schema on a small local copy (tests/assets/raw), local files with a column
 mapping and a template, the fast config checks, the eval carve-out and the toy task."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -78,6 +79,17 @@ EXPECTED = {
             "rejected": " Because the ocean reflects onto it.",
         },
     ),
+    "hh-rlhf": (
+        6,
+        2,  # dialogues that differ before the last answer; no assistant turn
+        1,  # a two-turn dialogue: the prompt is everything up to the last "\n\nAssistant:"
+        {
+            "prompt": "\n\nHuman: I want to bake bread.\n\nAssistant: Great! Do you have yeast?"
+            "\n\nHuman: Yes, a packet.\n\nAssistant:",
+            "chosen": " Mix it with warm water and flour, then let the dough rise.",
+            "rejected": " Buy bread instead.",
+        },
+    ),
     "shp": (
         7,
         2,
@@ -113,13 +125,14 @@ def test_to_pair_maps_the_hub_schema(name):
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_load_pairs_on_a_local_copy(name):
     num_raw, num_skipped, _, expected = EXPECTED[name]
-    source = SourceConfig(adapter=name, path=str(RAW / f"{name}.jsonl"))
+    # a file is one table: its eval rows are carved out of it (eval_split null)
+    source = SourceConfig(adapter=name, path=str(RAW / f"{name}.jsonl"), eval_split=None)
     assert source_problems(source) == []
     train, eval_, dropped = _both_splits(source)
     assert dropped == num_skipped
     assert len(train) + len(eval_) == num_raw - num_skipped
-    # one carved eval row for the train-only sets (a bad one for synthetic-instruct, with this seed)
-    assert len(eval_) == (0 if name == "synthetic-instruct-gptj-pairwise" else 1)
+    # one carved eval row (a bad one for synthetic-instruct and hh-rlhf, with this seed)
+    assert len(eval_) == (0 if name in ("synthetic-instruct-gptj-pairwise", "hh-rlhf") else 1)
     for ds in (train, eval_):
         assert ds.column_names == ["prompt", "chosen", "rejected"]
     assert expected in [*train, *eval_]
@@ -196,7 +209,7 @@ def _write(rows, path: Path) -> str:
 def test_local_formats_with_mapping_and_template(tmp_path, filename):
     path = _write(LOCAL_ROWS, tmp_path / filename)
     source = SourceConfig(
-        adapter="local", path=path, columns=LOCAL_MAPPING, prompt_template=TEMPLATE
+        adapter="local", path=path, columns=LOCAL_MAPPING, prompt_template=TEMPLATE, eval_split=None
     )
     assert source_problems(source) == []
     train, eval_, dropped = _both_splits(source)
@@ -230,7 +243,9 @@ def test_local_dataset_dict_uses_its_splits(tmp_path):
     assert list(train) == schema_rows[:4]  # identity mapping and template: rows unchanged
     assert list(eval_) == schema_rows[4:]
     missing = SourceConfig(adapter="local", path=str(path), eval_split="validation")
-    with pytest.raises(SourceError, match=r"no split 'validation'; it has \['test', 'train'\]"):
+    with pytest.raises(
+        SourceError, match=r"eval_split='validation': expected one of its splits.* has train, test"
+    ):
         load_pairs(missing, "eval", 0)
 
 
@@ -242,7 +257,7 @@ def test_local_ranked_responses(tmp_path):
     ]
     path = _write(rows, tmp_path / "ranked.jsonl")
     source = SourceConfig(
-        adapter="local", path=path, columns={"prompt": "q", "responses": "ranked"}
+        adapter="local", path=path, columns={"prompt": "q", "responses": "ranked"}, eval_split=None
     )
     train, eval_, dropped = _both_splits(source)
     assert dropped == 1
@@ -259,13 +274,15 @@ def test_local_ranked_responses(tmp_path):
 
 def test_template_replaces_only_the_prompt_field(tmp_path):
     path = _write([{"prompt": "hi", "chosen": "a", "rejected": "b"}] * 2, tmp_path / "t.jsonl")
-    source = SourceConfig(adapter="local", path=path, prompt_template='{"user": "{prompt}"}\n')
+    source = SourceConfig(
+        adapter="local", path=path, prompt_template='{"user": "{prompt}"}\n', eval_split=None
+    )
     train, _, _ = _both_splits(source)
     assert train[0] == {"prompt": '{"user": "hi"}\n', "chosen": "a", "rejected": "b"}
 
 
 def test_missing_columns_name_the_source_and_what_it_has():
-    source = SourceConfig(adapter="shp", path=str(RAW / "rm-static.jsonl"))
+    source = SourceConfig(adapter="shp", path=str(RAW / "rm-static.jsonl"), eval_split=None)
     with pytest.raises(SourceError) as err:
         load_pairs(source, "train", 0)
     message = str(err.value)
@@ -277,7 +294,7 @@ def test_missing_columns_name_the_source_and_what_it_has():
 
 def test_missing_mapped_column(tmp_path):
     path = _write(LOCAL_ROWS, tmp_path / "data.jsonl")
-    source = SourceConfig(adapter="local", path=path, columns={"prompt": "query"})
+    source = SourceConfig(adapter="local", path=path, columns={"prompt": "query"}, eval_split=None)
     with pytest.raises(
         SourceError,
         match=r"missing column\(s\) \['query', 'chosen', 'rejected'\]; it has \['question'",
@@ -308,8 +325,8 @@ def test_eval_carve_out_is_disjoint_and_deterministic(tmp_path):
 
 def test_num_rows_caps_after_the_carve_out(tmp_path):
     path = _numbered(tmp_path)
-    full_eval = load_pairs(SourceConfig(adapter="local", path=path), "eval", 1)[0]
-    capped = SourceConfig(adapter="local", path=path, num_rows=10)
+    full_eval = load_pairs(SourceConfig(adapter="local", path=path, eval_split=None), "eval", 1)[0]
+    capped = SourceConfig(adapter="local", path=path, num_rows=10, eval_split=None)
     train, dropped = load_pairs(capped, "train", 1)
     assert (len(train), dropped) == (10, 0)
     # the 4 eval rows are under the cap, and the same as without it
@@ -319,7 +336,9 @@ def test_num_rows_caps_after_the_carve_out(tmp_path):
 
 def test_every_row_skipped_gives_an_empty_dataset_with_the_schema(tmp_path):
     path = _write([{"prompt": "p", "chosen": "", "rejected": "x"}] * 3, tmp_path / "bad.jsonl")
-    train, dropped = load_pairs(SourceConfig(adapter="local", path=path), "train", 0)
+    train, dropped = load_pairs(
+        SourceConfig(adapter="local", path=path, eval_split=None), "train", 0
+    )
     assert (len(train), dropped) == (0, 2)
     assert train.column_names == ["prompt", "chosen", "rejected"]
 
@@ -382,12 +401,21 @@ def test_hub_ids_go_through_load_dataset(monkeypatch, adapter, overrides, split,
         ({"adapter": "shp", "path": "tests/assets/raw/no-such.jsonl"}, "path"),
         ({"adapter": "local", "path": "CSV"}, "path"),
         ({"adapter": "local", "path": "PLAIN_DIR"}, "path"),
-        ({"adapter": "local", "path": "RAW", "subset": "x"}, "subset"),
-        ({"adapter": "local", "path": "RAW", "columns": {"question": "q"}}, "columns.question"),
+        ({"adapter": "local", "path": "RAW", "subset": "x", "eval_split": None}, "subset"),
         (
-            {"adapter": "local", "path": "RAW", "prompt_template": "Human: Assistant:"},
+            {"adapter": "local", "path": "RAW", "columns": {"question": "q"}, "eval_split": None},
+            "columns.question",
+        ),
+        (
+            {
+                "adapter": "local",
+                "path": "RAW",
+                "prompt_template": "Human: Assistant:",
+                "eval_split": None,
+            },
             "prompt_template",
         ),
+        ({"adapter": "local", "path": "RAW"}, "eval_split"),  # a file has no test split to use
         ({"adapter": "rm-static", "columns": {"prompt": "q"}}, "columns"),
         ({"adapter": "rm-static", "prompt_template": "Q: {prompt}"}, "prompt_template"),
         ({"adapter": "rm-static", "eval_fraction": 0.0}, "eval_fraction"),
@@ -427,7 +455,9 @@ def test_source_problems_messages():
     [(_, _, accepted)] = source_problems(SourceConfig(adapter="webgpt-comparisons"))
     assert accepted.startswith("null") and "has only train" in accepted
     [(_, _, accepted)] = source_problems(SourceConfig(adapter="local", path="/no/such.jsonl"))
-    assert accepted == "an existing .jsonl/.json/.parquet file or save_to_disk directory"
+    assert accepted == sources.PATH_ACCEPTED
+    for kind in (".jsonl", ".parquet", ".jsonl.gz", "data/train-*.parquet", "save_to_disk"):
+        assert kind in accepted
 
 
 def test_source_problems_accept_the_recommended_configs(monkeypatch):
@@ -445,7 +475,8 @@ def test_source_problems_accept_the_recommended_configs(monkeypatch):
             assert source_problems(source) == [], name
     assert source_problems(SourceConfig(adapter="toy", num_rows=10)) == []
     assert source_problems(SourceConfig(adapter="toy", num_rows=10, eval_split=None)) == []
-    assert source_problems(SourceConfig(adapter="local", path=str(RAW / "shp.jsonl"))) == []
+    shp_copy = SourceConfig(adapter="local", path=str(RAW / "shp.jsonl"), eval_split=None)
+    assert source_problems(shp_copy) == []
 
 
 # --- toy ----------------------------------------------------------------------------------------
@@ -474,3 +505,215 @@ def test_toy_eval_can_be_carved_from_train():
     source = SourceConfig(adapter="toy", num_rows=20, eval_split=None)
     train, eval_, _ = _both_splits(source)
     assert (len(train), len(eval_)) == (18, 2)
+
+
+# --- files as downloaded: the hub's layout, compressed JSON, a separate eval file ----------------
+
+SCHEMA_ROWS = [
+    {"prompt": f"P{i}:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(12)
+]
+
+
+def _hub_layout(root: Path, kind: str) -> Path:
+    """A dataset directory as downloaded from the hub: parquet shards under data/, or one
+    JSON lines file per split (test compressed)."""
+    train, test = SCHEMA_ROWS[:9], SCHEMA_ROWS[9:]
+    if kind == "parquet":
+        (root / "data").mkdir(parents=True)
+        _write(train, root / "data" / "train-00000-of-00001.parquet")
+        _write(test, root / "data" / "test-00000-of-00001.parquet")
+    else:
+        root.mkdir(parents=True)
+        _write(train, root / "train.jsonl")
+        with gzip.open(root / "test.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in test))
+    return root
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_downloaded_directory_is_read_with_its_splits(tmp_path, kind):
+    path = _hub_layout(tmp_path / "rm-static", kind)
+    source = SourceConfig(adapter="rm-static", path=str(path))  # eval_split: test
+    assert source_problems(source) == []
+    train, eval_, dropped = _both_splits(source)
+    assert (list(train), list(eval_), dropped) == (SCHEMA_ROWS[:9], SCHEMA_ROWS[9:], 0)
+    assert not list(path.rglob("cache-*"))  # nothing written beside the user's files
+    wrong = SourceConfig(adapter="rm-static", path=str(path), eval_split="validation")
+    [(key, value, accepted)] = source_problems(wrong)
+    assert (key, value) == ("eval_split", "validation")
+    assert "train, test" in accepted and "null carves" in accepted
+
+
+@pytest.mark.parametrize("name", ["pairs.jsonl.gz", "pairs.json.gz"])
+def test_compressed_json_files(tmp_path, name):
+    path = tmp_path / name
+    text = "".join(json.dumps(r) + "\n" for r in SCHEMA_ROWS)
+    if name == "pairs.json.gz":
+        text = json.dumps(SCHEMA_ROWS)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(text)
+    source = SourceConfig(adapter="local", path=str(path), eval_split=None)
+    assert source_problems(source) == []
+    train, eval_, _ = _both_splits(source)
+    assert sorted([*train, *eval_], key=lambda r: r["prompt"]) == sorted(
+        SCHEMA_ROWS, key=lambda r: r["prompt"]
+    )
+
+
+def test_a_compressed_file_reports_its_bad_line(tmp_path):
+    path = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(SCHEMA_ROWS[0]) + "\n{oops\n")
+    with pytest.raises(SourceError, match=r"line 2 is not JSON"):
+        load_pairs(SourceConfig(adapter="local", path=str(path), eval_split=None), "train", 0)
+
+
+def test_a_separate_eval_file(tmp_path):
+    train_file = _write(SCHEMA_ROWS[:9], tmp_path / "train.jsonl")
+    eval_file = _write(SCHEMA_ROWS[9:], tmp_path / "held_out.jsonl")
+    source = SourceConfig(adapter="local", path=train_file, eval_path=eval_file, eval_split=None)
+    assert source_problems(source) == []
+    train, eval_, _ = _both_splits(source)
+    assert (list(train), list(eval_)) == (SCHEMA_ROWS[:9], SCHEMA_ROWS[9:])  # nothing carved
+    assert sources.eval_origin(source) == f"eval_path {eval_file}"
+    beside = SourceConfig(adapter="local", path=train_file, eval_path=eval_file)
+    assert [p[0] for p in source_problems(beside)] == ["eval_split"]  # would be ignored
+    missing = SourceConfig(adapter="local", path=train_file, eval_path="/no/eval.jsonl")
+    assert [p[0] for p in source_problems(missing)] == ["eval_path"]
+
+
+def test_carved_eval_rows_are_said_so():
+    source = SourceConfig(adapter="webgpt-comparisons", eval_split=None)
+    assert sources.carves(source)
+    assert "carved out of its train split" in sources.eval_origin(source)
+    assert not sources.carves(SourceConfig(adapter="rm-static"))
+
+
+def test_a_saved_dataset_folder_is_never_written(tmp_path):
+    path = Path(_write(SCHEMA_ROWS, tmp_path / "saved"))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in path.rglob("*"))
+    source = SourceConfig(adapter="local", path=str(path), eval_split=None)
+    train, eval_, _ = _both_splits(source)
+    assert len(train) + len(eval_) == len(SCHEMA_ROWS)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in path.rglob("*")) == before
+
+
+# --- preference labels and scores in a local mapping ----------------------------------------------
+
+
+def _ab_rows():
+    return [
+        {"q": "Sky?", "x": "Blue.", "y": "Green.", "pick": 1, "sx": 3.0, "sy": 1.0},
+        {"q": "Grass?", "x": "Red.", "y": "Green.", "pick": 0, "sx": 0.0, "sy": 2.5},
+        {"q": "Snow?", "x": "White.", "y": "Black.", "pick": 1, "sx": 1.0, "sy": 1.0},  # score tie
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "skipped"),
+    [({"label": "pick"}, 0), ({"score_a": "sx", "score_b": "sy"}, 1)],
+    ids=["label", "scores"],
+)
+def test_a_label_or_two_scores_say_which_answer_is_chosen(tmp_path, extra, skipped):
+    path = _write(_ab_rows(), tmp_path / "ab.jsonl")
+    columns = {"prompt": "q", "answer_a": "x", "answer_b": "y", **extra}
+    source = SourceConfig(adapter="local", path=path, columns=columns, eval_split=None)
+    assert source_problems(source) == []
+    train, eval_, dropped = _both_splits(source)
+    by_prompt = {r["prompt"]: (r["chosen"], r["rejected"]) for r in [*train, *eval_]}
+    assert dropped == skipped
+    assert by_prompt["Sky?"] == (" Blue.", " Green.")  # a preferred
+    assert by_prompt["Grass?"] == (" Green.", " Red.")  # b preferred: never reversed
+
+
+def test_label_values():
+    assert [sources.by_label(v) for v in (1, True, "A", " a ", "1")] == ["a"] * 5
+    assert [sources.by_label(v) for v in (0, False, "B", "b", "0")] == ["b"] * 5
+    assert [sources.by_label(v) for v in (2, None, "maybe", 0.5, [1])] == [None] * 5
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        {"prompt": "q", "chosen": "x", "rejected": "x"},  # one column mapped twice
+        {"prompt": "q", "answer_a": "x", "answer_b": "y"},  # no label and no scores
+        {"prompt": "q", "answer_a": "x", "answer_b": "y", "label": "pick", "score_a": "sx"},
+        {"prompt": "q", "answer_a": "x", "label": "pick"},  # answer_b missing
+        {"prompt": "q", "answer_a": "x", "answer_b": "y", "label": "pick", "chosen": "x"},
+    ],
+    ids=["twice", "no-preference", "label-and-score", "one-answer", "with-chosen"],
+)
+def test_a_mapping_that_cannot_be_read_one_way_is_refused(tmp_path, columns):
+    path = _write(_ab_rows(), tmp_path / "ab.jsonl")
+    source = SourceConfig(adapter="local", path=path, columns=columns, eval_split=None)
+    problems = source_problems(source)
+    assert problems and {p[0] for p in problems} == {"columns"}
+    with pytest.raises(SourceError, match="columns"):
+        load_pairs(source, "train", 0)
+
+
+def test_a_default_column_read_twice_is_refused(tmp_path):
+    """chosen mapped to the file's 'prompt' column, which prompt reads by default."""
+    path = _write(SCHEMA_ROWS, tmp_path / "p.jsonl")
+    source = SourceConfig(adapter="local", path=path, columns={"chosen": "prompt"}, eval_split=None)
+    with pytest.raises(SourceError, match=r"column 'prompt' is read as prompt and chosen"):
+        load_pairs(source, "train", 0)
+
+
+# --- non-text columns, escaped newlines ------------------------------------------------------------
+
+
+def test_a_column_of_numbers_is_named_with_its_type(tmp_path):
+    rows = [{"prompt": f"P{i}", "chosen": i, "rejected": "no"} for i in range(5)]
+    path = _write(rows, tmp_path / "ints.jsonl")
+    source = SourceConfig(adapter="local", path=path, eval_split=None)
+    with pytest.raises(
+        SourceError, match=r"column 'chosen' \(chosen\) holds int64 values, not text"
+    ):
+        load_pairs(source, "train", 0)
+
+
+def test_a_column_of_mixed_types_keeps_its_text_rows_with_a_note(tmp_path):
+    rows = [
+        {"prompt": f"P{i}", "chosen": 5 if i % 2 else f" yes {i}", "rejected": " no"}
+        for i in range(8)
+    ]
+    path = _write(rows, tmp_path / "mixed.jsonl")
+    loaded = sources.load_source(
+        SourceConfig(adapter="local", path=path, eval_split=None), "train", 0
+    )
+    # 7 train rows (one carved out for eval); those with a number are skipped
+    assert loaded.read == 7 and loaded.skipped == 7 - len(loaded.rows) >= 3
+    assert set(loaded.rows["chosen"]) <= {f" yes {i}" for i in range(0, 8, 2)}
+    assert loaded.notes == [
+        "column 'chosen' (chosen) holds mixed types: its non-text rows are skipped"
+    ]
+
+
+def test_template_escapes_become_newlines_and_escaped_text_is_warned(tmp_path):
+    rows = [{"prompt": f"Q{i}?", "chosen": "Yes.", "rejected": "No."} for i in range(10)]
+    rows[3]["chosen"] = "Yes.\\nReally."  # a literal backslash-n: the file was escaped twice
+    path = _write(rows, tmp_path / "q.jsonl")
+    template = "\\n\\nHuman: {prompt}\\n\\nAssistant:"  # as Hydra passes it from a command line
+    source = SourceConfig(adapter="local", path=path, prompt_template=template, eval_split=None)
+    loaded = sources.load_source(source, "train", 0)
+    assert all(
+        p.startswith("\n\nHuman: Q") and p.endswith("?\n\nAssistant:")
+        for p in loaded.rows["prompt"]
+    )
+    [warning] = loaded.warnings
+    assert warning.startswith("1 of 9 rows hold a literal backslash-n")
+    assert sources.unescape("a\\\\nb\\tc") == "a\\nb\tc"  # \\ is a backslash: no newline
+
+
+def test_an_unreachable_hub_dataset_is_one_line(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Dahoas/rm-static' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(sources.datasets, "load_dataset", offline)
+    with pytest.raises(SourceError) as err:
+        sources.load_source(SourceConfig(adapter="rm-static"), "train", 0, name="rm-static")
+    assert str(err.value) == (
+        "data.sources.rm-static.path='Dahoas/rm-static': not a local directory, and the hub is "
+        "not reachable (offline)"
+    )

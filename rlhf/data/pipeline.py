@@ -4,8 +4,15 @@ Every phase uses the same tokenised form, so the reward model sees exactly the t
 PPO will score: ``prompt_ids`` (BOS + prompt, left-truncated to max_prompt_len) and the answers
 ``chosen_ids`` / ``rejected_ids`` (answer tokens + end-of-text, cut so prompt + answer fit in
 max_seq_len), and ``response_ids``, the demonstration SFT imitates, when a source has one that
-differs from the chosen answer (a task's uneven demonstrations). Prompt and answer are tokenised separately, because PPO generates after the
-prompt's own tokens and the reward model must see that same split.
+differs from the chosen answer (a task's uneven demonstrations). Prompt and answer are tokenised
+separately, because PPO generates after the prompt's own tokens and the reward model must see
+that same split.
+
+The cache lives under ``data.cache_dir`` only, never beside a user's data. Rank 0 computes its
+key (the local files' stamps included) and sends it to the other ranks, so every rank reads the
+entry rank 0 built. Each entry keeps the lines its build logged (rows read, skipped and kept per
+source and split, where the eval rows came from, warnings about the data), and a run that finds
+the entry logs them again: every run's log says what its data is.
 
 Bad data fails here, before any model is built, with a :class:`SourceError` (exit status 2):
 a source that gives a phase no usable rows, and (``data.overlong_prompts=error``) a prompt
@@ -27,9 +34,16 @@ import datasets
 
 from rlhf import tasks
 from rlhf.config import ConfigError, DataConfig
-from rlhf.data.sources import SourceError, describe, load_pairs, source_task
+from rlhf.data.sources import (
+    SKIP_REASON,
+    SourceError,
+    describe,
+    eval_origin,
+    load_source,
+    source_task,
+)
 from rlhf.data.split import phase_indices
-from rlhf.dist import barrier, is_main, world_size
+from rlhf.dist import barrier, from_main, is_main, world_size
 from rlhf.files import publish_dir
 from rlhf.models import tokenizer_fingerprint
 
@@ -40,6 +54,7 @@ FORMAT_VERSION = 2  # bump when the tokenised layout changes
 _SOURCE = "_source"  # temporary column: which source a row came from, for messages
 TASK = "task"  # the task whose checker grades answers to the row's prompt ("": none)
 _OVERLONG = "_overlong"  # temporary column: the prompt was longer than max_prompt_len
+LOG_FILE = "rlhf_log.json"  # in a cache entry: the lines its build logged, as [level, text]
 
 
 def phase_dataset(
@@ -48,23 +63,35 @@ def phase_dataset(
     """Tokenised rows of ``phase`` ('sft' | 'reward' | 'ppo') and ``split`` ('train' | 'eval').
     Built once by rank 0 into a directory named by a hash of everything that changes it; the
     other ranks (and later runs) load it."""
-    key = cache_key(data, phase, split, tokenizer, end_of_text_id)
+    key = from_main(cache_key(data, phase, split, tokenizer, end_of_text_id) if is_main() else None)
     path = Path(data.cache_dir).expanduser() / f"{phase}-{split}-{key[:20]}"
     failure = None
     if is_main() and not (path / "dataset_info.json").exists():
         try:
-            built = _build(data, phase, split, tokenizer, end_of_text_id)
+            built, lines = _build(data, phase, split, tokenizer, end_of_text_id)
         except ConfigError as err:
             failure = err
         else:
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             built.save_to_disk(str(tmp))
+            (tmp / LOG_FILE).write_text(json.dumps(lines))
             publish_dir(tmp, path)
             log.info("tokenised %d %s/%s rows into %s", len(built), phase, split, path)
+    elif is_main():
+        log.info("%s/%s: tokenised rows from the cache, %s", phase, split, path)
     _raise_on_every_rank(failure)
+    if is_main():
+        _log_lines(path / LOG_FILE)
     barrier()
     return datasets.load_from_disk(str(path))
+
+
+def _log_lines(file: Path) -> None:
+    """The lines an entry's build logged (an entry from an older version has none)."""
+    lines = json.loads(file.read_text()) if file.exists() else []
+    for level, text in lines:
+        log.log(logging.WARNING if level == "warning" else logging.INFO, "%s", text)
 
 
 def _raise_on_every_rank(failure: ConfigError | None) -> None:
@@ -117,77 +144,92 @@ def generator_version(source) -> int | None:
 
 
 def _file_stamp(path: str | None) -> list | None:
-    """Size and mtime of a local source, so an edited file is tokenised again."""
+    """Size and mtime of a local source's files, so an edited file is tokenised again."""
     if path is None or not os.path.exists(path):
         return None
     files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).rglob("*"))
-    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    # datasets' own cache files in a saved dataset's folder (written by older versions) are
+    # not the data
+    files = [f for f in files if f.is_file() and not f.name.startswith("cache-")]
+    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
-def _build(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int):
-    parts = []
+def _build(
+    data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int
+) -> tuple[datasets.Dataset, list[tuple[str, str]]]:
+    """The tokenised rows, and the lines to log about them ([level, text])."""
+    parts, lines = [], []
     for name, source in data.sources.items():
-        pairs, dropped = load_pairs(source, split, data.seed)
-        usable = len(pairs)
-        indices = phase_indices(usable, data.phase_split, PHASES.index(phase), data.seed)
-        pairs = pairs.select(indices)
-        log.info(
-            "data %s/%s: %d rows for %s (%d rows skipped: missing or empty fields)",
-            name,
-            split,
-            len(pairs),
-            phase,
-            dropped,
-        )
+        loaded = load_source(source, split, data.seed, name)
+        indices = phase_indices(len(loaded.rows), data.phase_split, PHASES.index(phase), data.seed)
+        pairs = loaded.rows.select(indices)
+        lines += _source_lines(name, source, split, phase, loaded, len(pairs))
         if len(pairs) == 0:
-            raise SourceError(no_rows_message(source, phase, split, usable, dropped, data))
+            raise SourceError(no_rows_message(source, phase, split, loaded, data))
         pairs = pairs.add_column(_SOURCE, [describe(source)] * len(pairs))
         parts.append(pairs.add_column(TASK, [source_task(source) or ""] * len(pairs)))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if split == "eval" and data.max_eval_rows and len(rows) > data.max_eval_rows:
         rows = rows.shuffle(seed=data.seed).select(range(data.max_eval_rows))
+    out, overlong = _tokenize(data, phase, split, rows, tokenizer, end_of_text_id)
+    if overlong:
+        lines.append(("info", overlong))
+    return out, lines
+
+
+def _source_lines(name, source, split, phase, loaded, kept: int) -> list[tuple[str, str]]:
+    """What the log says of one source's split: where its rows come from, how many were read,
+    skipped and kept (all for the same split), notes and warnings."""
+    origin = eval_origin(source) if split == "eval" else f"its {source.train_split} split"
+    counts = (
+        f"data {name}/{split} ({origin}): {loaded.read} rows read, {loaded.skipped} skipped "
+        f"({SKIP_REASON}), {len(loaded.rows)} usable, {kept} of them for {phase}"
+    )
+    lines = [("info", counts)]
+    lines += [("info", f"data {name}/{split}: {note}") for note in loaded.notes]
+    return lines + [("warning", f"data {name}/{split}: {text}") for text in loaded.warnings]
+
+
+def _tokenize(data: DataConfig, phase: str, split: str, rows, tokenizer, end_of_text_id: int):
+    """Tokenised rows, and the over-long prompts' log line (None when there were none)."""
     tokenize = _Tokenize(
         tokenizer, end_of_text_id, data.max_prompt_len, data.max_seq_len, data.overlong_prompts
     )
     out = rows.map(tokenize, batched=True, remove_columns=rows.column_names)
     overlong = len(rows) - len(out) if data.overlong_prompts == "skip" else sum(out[_OVERLONG])
-    if overlong:
-        log.info(
-            "data %s/%s: %d of %d prompts longer than data.max_prompt_len=%d tokens %s "
-            "(data.overlong_prompts=%s)",
-            phase,
-            split,
-            overlong,
-            len(rows),
-            data.max_prompt_len,
-            "skipped" if data.overlong_prompts == "skip" else "left-truncated",
-            data.overlong_prompts,
-        )
     if len(out) == 0:
         raise SourceError(
             f"data.overlong_prompts='skip': all {len(rows)} {phase}/{split} prompts are longer "
             f"than data.max_prompt_len={data.max_prompt_len} tokens"
         )
-    return out.remove_columns(_OVERLONG)
+    line = None
+    if overlong:
+        done = "skipped" if data.overlong_prompts == "skip" else "left-truncated"
+        line = (
+            f"data {phase}/{split}: {overlong} of {len(rows)} prompts longer than "
+            f"data.max_prompt_len={data.max_prompt_len} tokens {done} "
+            f"(data.overlong_prompts={data.overlong_prompts})"
+        )
+    return out.remove_columns(_OVERLONG), line
 
 
-def no_rows_message(
-    source, phase: str, split: str, usable: int, dropped: int, data: DataConfig
-) -> str:
+def no_rows_message(source, phase: str, split: str, loaded, data: DataConfig) -> str:
     """Why ``source`` gives the ``phase`` phase's ``split`` split no rows."""
+    usable, dropped = len(loaded.rows), loaded.skipped
     if usable + dropped == 0:
         why = "it has no rows (0 skipped)"
     elif usable == 0:
-        why = (
-            f"all {dropped} rows were skipped (a missing, empty or non-text prompt/chosen/"
-            "rejected, or chosen == rejected)"
-        )
+        why = f"all {dropped} rows were skipped ({SKIP_REASON})"
     else:
         why = (
             f"its {usable} usable rows ({dropped} skipped) leave none for {phase} with "
             f"data.phase_split={list(data.phase_split)}"
         )
-    return f"source {describe(source)}: no usable rows for the {phase} phase's {split} split: {why}"
+    notes = "".join(f"; {note}" for note in loaded.notes)
+    return (
+        f"source {describe(source)}: no usable rows for the {phase} phase's {split} split: "
+        f"{why}{notes}"
+    )
 
 
 class _Tokenize:

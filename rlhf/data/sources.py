@@ -22,40 +22,48 @@ Where the rows come from:
 
 - A hub adapter with ``path`` null (or a hub id) calls ``datasets.load_dataset(path, subset, split=...)``.
   With a local ``path`` the same mapping applies to a local copy in the hub schema (this is how the tests
-  exercise each adapter).
-- Local paths: a ``.jsonl`` / ``.json`` / ``.parquet`` file, or a ``save_to_disk`` directory. A file or a
-  saved ``Dataset`` is one table: its eval rows are always carved out of it (``eval_split`` is not used).
-  A saved ``DatasetDict`` has named splits like the hub.
-- Adapter ``local``: ``columns`` maps schema names to the file's columns (identity by default);
-  ``prompt_template`` wraps the prompt ("{prompt}" is replaced literally; other braces stay). An answer
-  that would run into the prompt ("Assistant:" + "Paris") gets a leading space, DeepSpeed-Chat's
-  convention. With a ``responses`` column (best first), chosen / rejected default to the first / last
-  response. ``columns`` and ``prompt_template`` are refused for the other adapters, whose format is fixed.
-- A source without an eval split (``eval_split: null``; webgpt and synthetic-instruct have only train) gets
-  its eval rows carved from the train split by :func:`rlhf.data.split.train_eval_indices` with
-  ``eval_fraction`` and the data seed; the carve happens before the ``num_rows`` cap, so the eval rows do
-  not change with the cap.
+  exercise each adapter). Local copies (:mod:`rlhf.data.local`): a ``.jsonl`` / ``.json`` / ``.parquet``
+  file (``.jsonl.gz`` / ``.json.gz`` too) or a saved ``Dataset`` is one table; a directory as downloaded
+  from the hub (``data/train-*.parquet``, ``test.jsonl`` ...) or a saved ``DatasetDict`` has named splits.
+- Eval rows: the ``eval_split`` of a source that has splits; ``eval_path``, a separate local copy (all
+  its rows); or, with ``eval_split: null``, carved out of the train split by
+  :func:`rlhf.data.split.train_eval_indices` with ``eval_fraction`` and the data seed (webgpt and
+  synthetic-instruct have only train). The carve happens before the ``num_rows`` cap, so the eval rows
+  do not change with the cap, and the log says the eval rows were carved. An ``eval_split`` that would be
+  ignored (a one-table copy, or beside ``eval_path``) is refused.
+- Adapter ``local``: ``columns`` maps schema names to the file's columns (identity by default), each file
+  column once. Preferences come as ``chosen`` / ``rejected``; as ``responses`` ranked best first (chosen /
+  rejected default to the first / last); or as two answers ``answer_a`` / ``answer_b`` with a ``label``
+  saying which is preferred (1, true or "A": answer_a; 0, false or "B": answer_b; as SHP's ``labels``)
+  or two scores ``score_a`` / ``score_b`` (the higher wins, ties are skipped; as webgpt's), so pairs are
+  never reversed by guesswork. A mapped text column that holds no text (numbers, lists) is refused with
+  its type. ``prompt_template`` wraps the prompt ("{prompt}" is replaced literally; other braces stay;
+  the escapes ``\\n``, ``\\t`` and ``\\\\`` become a newline, a tab and a backslash, because a command
+  line passes ``\\n`` as two characters). An answer that would run into the prompt ("Assistant:" +
+  "Paris") gets a leading space, DeepSpeed-Chat's convention. ``columns`` and ``prompt_template`` are
+  refused for the other adapters, whose format is fixed. Rows whose text holds a literal backslash-n
+  (a file escaped twice) are counted in a warning.
+- ``hh-rlhf`` (Anthropic/hh-rlhf) holds whole dialogues in ``chosen`` / ``rejected``: the prompt is the
+  shared dialogue up to the last "\\n\\nAssistant:", the answers what follows it; a pair whose dialogues
+  differ before that is skipped.
 - ``task`` (and ``toy``, the toy task's) generates ``num_rows`` train rows and ``max(num_rows // 10, 1)``
   eval rows with the task named by ``task`` (:mod:`rlhf.tasks`), from its held-out ``test`` split, so eval
   prompts are never train prompts. Any other source may name a ``task`` too: its checker then grades the
   answers to that source's prompts (``eval/gold_accuracy``). Extra columns of a task's rows are not kept.
 
 Bad files fail with a :class:`SourceError` (a ConfigError: ``error: ...``, exit status 2) that names
-the file and line: bytes that are not UTF-8 (``datasets`` would load them and fail on first access),
-a line that is not JSON. An empty file loads as no rows; the pipeline then reports the source as
-giving the phase no usable rows (see ``docs/bad_input.md``).
+the file and line: bytes that are not UTF-8, a line that is not JSON. An empty file loads as no rows; the
+pipeline then reports the source as giving the phase no usable rows (see ``docs/bad_input.md``). A hub
+dataset that cannot be reached is one line naming the key and the value.
 """
 
 from __future__ import annotations
 
-import codecs
-import json
-import logging
 import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -63,15 +71,17 @@ import datasets
 
 from rlhf import tasks
 from rlhf.config import ConfigError
+from rlhf.data import local
 from rlhf.data.split import train_eval_indices
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
-COLUMN_KEYS = (*PAIR_COLUMNS, "responses", "response")
-LOCAL_EXTENSIONS = (".jsonl", ".json", ".parquet")
-PATH_ACCEPTED = "an existing .jsonl/.json/.parquet file or save_to_disk directory"
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_SAVED_MARKERS = ("state.json", "dataset_dict.json")
-_PATHLIKE_SUFFIXES = (*LOCAL_EXTENSIONS, ".csv", ".txt", ".arrow", ".tsv")
+# a pair of answers whose preference a label or two scores give (SHP's, webgpt's layout)
+AB_KEYS = ("answer_a", "answer_b", "label", "score_a", "score_b")
+COLUMN_KEYS = (*PAIR_COLUMNS, "responses", "response", *AB_KEYS)
+TEXT_KEYS = ("prompt", "chosen", "rejected", "response", "answer_a", "answer_b")
+PATH_ACCEPTED = local.ACCEPTED
+_PATHLIKE_SUFFIXES = (*local.SUFFIXES, ".csv", ".txt", ".arrow", ".tsv", ".gz")
+SKIP_REASON = "a missing, empty or non-text field, or chosen == rejected"
 
 
 class SourceError(ConfigError):
@@ -147,6 +157,24 @@ def _last_answer(text: str) -> str:
     return text.split("Assistant:")[-1]
 
 
+ASSISTANT_TURN = "\n\nAssistant:"
+
+
+def hh_rlhf_pair(row: Row) -> Row | None:
+    """Anthropic/hh-rlhf: two whole dialogues. The prompt is their shared text up to the last
+    "\\n\\nAssistant:"; a pair whose dialogues differ before it is skipped."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if not _is_text(chosen, rejected):
+        return None
+    cut_chosen, cut_rejected = chosen.rfind(ASSISTANT_TURN), rejected.rfind(ASSISTANT_TURN)
+    if cut_chosen < 0 or cut_rejected < 0:
+        return None
+    end = cut_chosen + len(ASSISTANT_TURN)
+    if rejected[: cut_rejected + len(ASSISTANT_TURN)] != chosen[:end]:
+        return None
+    return _pair(chosen[:end], chosen[end:], rejected[cut_rejected + len(ASSISTANT_TURN) :])
+
+
 _CITATIONS = (re.compile(r" [\(\[].*?[\)\]]"), re.compile(r"[\(\[].*?[\)\]]"))
 
 
@@ -161,16 +189,35 @@ def _is_score(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _by_scores(score_a: Any, score_b: Any) -> str | None:
+    """'a' or 'b', the answer with the higher score; None for a tie or a non-number."""
+    if not (_is_score(score_a) and _is_score(score_b)) or score_a == score_b:
+        return None
+    return "a" if score_a > score_b else "b"
+
+
+_LABELS = {"a": "a", "1": "a", "true": "a", "b": "b", "0": "b", "false": "b"}
+
+
+def by_label(label: Any) -> str | None:
+    """'a' or 'b', the answer a label prefers: 1 / true / "A" -> a, 0 / false / "B" -> b
+    (SHP's ``labels``: 1 means human_ref_A); anything else None."""
+    if isinstance(label, bool) or (_is_score(label) and label in (0, 1)):
+        return "a" if label else "b"
+    if isinstance(label, str):
+        return _LABELS.get(label.strip().lower())
+    return None
+
+
 def webgpt_pair(row: Row) -> Row | None:
     """Chosen = the answer with the higher score; ties are skipped (DeepSpeed-Chat keeps answer_0)."""
-    question, s0, s1 = row["question"], row["score_0"], row["score_1"]
+    question = row["question"]
     text = question.get("full_text") if isinstance(question, dict) else None
-    if not (_is_score(s0) and _is_score(s1)) or s0 == s1:
-        return None
-    if not _is_text(text, row["answer_0"], row["answer_1"]):
+    winner = _by_scores(row["score_0"], row["score_1"])
+    if winner is None or not _is_text(text, row["answer_0"], row["answer_1"]):
         return None
     best, worst = row["answer_0"], row["answer_1"]
-    if s1 > s0:
+    if winner == "b":
         best, worst = worst, best
     return _pair(_human(text), " " + strip_citations(best), " " + strip_citations(worst))
 
@@ -193,27 +240,52 @@ def _join(prompt: str, answer: str) -> str:
     return answer
 
 
-def local_pair(row: Row, template: str = "{prompt}") -> Row | None:
-    """A row already renamed to the schema. ``template`` wraps the prompt ("{prompt}" replaced
-    literally, so other braces are kept); answers get a leading space when they would run into it.
-    With ``responses`` (best first): chosen / rejected default to the first / last response."""
-    prompt = row.get("prompt")
-    if not _is_text(prompt):
-        return None
-    prompt = template.replace("{prompt}", prompt)
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(template: str) -> str:
+    """A template's \\n, \\t and \\\\ as a newline, a tab and a backslash. Hydra passes
+    ``prompt_template="\\n\\nHuman: {prompt}"`` from a command line as backslash + n."""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], template)
+
+
+def _answers(row: Row) -> tuple[Any, Any, list | None] | None:
+    """(chosen, rejected, ranked responses or None) of a renamed local row; None to skip it."""
+    if "answer_a" in row:
+        winner = by_label(row["label"]) if "label" in row else None
+        if "label" not in row:
+            winner = _by_scores(row["score_a"], row["score_b"])
+        if winner is None:
+            return None
+        a, b = row["answer_a"], row["answer_b"]
+        return (a, b, None) if winner == "a" else (b, a, None)
     ranked = None
     if "responses" in row:
         ranked = row["responses"]
         if not isinstance(ranked, list) or len(ranked) < 2 or not _is_text(*ranked):
             return None
-        ranked = [_join(prompt, r) for r in ranked]
     chosen = row["chosen"] if "chosen" in row else ranked[0]
     rejected = row["rejected"] if "rejected" in row else ranked[-1]
-    if not _is_text(chosen, rejected):
+    return chosen, rejected, ranked
+
+
+def local_pair(row: Row, template: str = "{prompt}") -> Row | None:
+    """A row already renamed to the schema. ``template`` wraps the prompt ("{prompt}" replaced
+    literally, so other braces are kept); answers get a leading space when they would run into it.
+    With ``responses`` (best first): chosen / rejected default to the first / last response.
+    With ``answer_a`` / ``answer_b``: the ``label`` or the higher of ``score_a`` / ``score_b``
+    says which is chosen."""
+    prompt = row.get("prompt")
+    if not _is_text(prompt):
         return None
+    prompt = template.replace("{prompt}", prompt)
+    answers = _answers(row)
+    if answers is None or not _is_text(answers[0], answers[1]):
+        return None
+    chosen, rejected, ranked = answers
     pair = _pair(prompt, _join(prompt, chosen), _join(prompt, rejected))
     if pair is not None and ranked is not None:
-        pair["responses"] = ranked
+        pair["responses"] = [_join(prompt, r) for r in ranked]
     if pair is not None and "response" in row:  # mapped explicitly: the demonstration
         if not _is_text(row["response"]):
             return None
@@ -224,6 +296,7 @@ def local_pair(row: Row, template: str = "{prompt}") -> Row | None:
 ADAPTERS: dict[str, Adapter] = {
     "rm-static": Adapter("Dahoas/rm-static", ("prompt", "chosen", "rejected"), dahoas_pair),
     "full-hh-rlhf": Adapter("Dahoas/full-hh-rlhf", ("prompt", "chosen", "rejected"), dahoas_pair),
+    "hh-rlhf": Adapter("Anthropic/hh-rlhf", ("chosen", "rejected"), hh_rlhf_pair),
     "synthetic-instruct-gptj-pairwise": Adapter(
         "Dahoas/synthetic-instruct-gptj-pairwise",
         ("prompt", "chosen", "rejected"),
@@ -258,21 +331,21 @@ GENERATED = ("toy", "task")  # adapters whose rows a task generates
 # --- fast checks ---------------------------------------------------------------------------------
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A filesystem path rather than a hub id ("owner/name")."""
     return (
         os.path.exists(os.path.expanduser(path))
         or path.startswith(("/", "./", "../", "~"))
         or path.count("/") > 1
-        or os.path.splitext(path)[1].lower() in _PATHLIKE_SUFFIXES
+        or local.suffix(path) in _PATHLIKE_SUFFIXES
     )
 
 
-def _is_usable_local(path: str) -> bool:
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):  # save_to_disk writes state.json (Dataset) or dataset_dict.json
-        return any(os.path.isfile(os.path.join(path, f)) for f in _SAVED_MARKERS)
-    return os.path.isfile(path) and os.path.splitext(path)[1].lower() in LOCAL_EXTENSIONS
+def reads_local(source: Any) -> bool:
+    """Whether ``source``'s rows come from a local copy (else the hub or a task)."""
+    if source.adapter in GENERATED:
+        return False
+    return source.adapter == "local" or (source.path is not None and looks_local(source.path))
 
 
 def _split_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
@@ -287,6 +360,44 @@ def _split_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]
     return out
 
 
+def _local_split_problems(source: Any) -> list[tuple[str, Any, str]]:
+    """A local copy's split names: those it has; an eval_split it would ignore is refused."""
+    named = local.splits(source.path)
+    if named is None:  # one table: there is no split to name
+        if source.eval_split is None or source.eval_path is not None:
+            return []
+        why = (
+            f"null: {source.path} is one table (a file or a saved Dataset), with no "
+            f"{source.eval_split!r} split; null carves eval rows out of it (eval_fraction), or "
+            "give them as eval_path"
+        )
+        return [("eval_split", source.eval_split, why)]
+    out = []
+    if source.train_split not in named:
+        out.append(("train_split", source.train_split, f"one of {', '.join(named)}"))
+    if source.eval_split is not None and source.eval_split not in named and not source.eval_path:
+        has = f"{source.path} has {', '.join(named)}; null carves eval rows out of train"
+        out.append(("eval_split", source.eval_split, f"one of its splits or null ({has})"))
+    return out
+
+
+def _eval_path_problems(source: Any) -> list[tuple[str, Any, str]]:
+    path = source.eval_path
+    if path is None:
+        return []
+    if source.adapter in GENERATED:
+        return [("eval_path", path, "null (a task generates the eval rows)")]
+    if not local.is_usable(path):
+        return [("eval_path", path, f"{local.ACCEPTED}, whose rows are the eval rows")]
+    named = local.splits(path)
+    if named is not None and len(named) > 1:
+        return [("eval_path", path, f"one table of eval rows (it has splits {', '.join(named)})")]
+    if source.eval_split is not None:
+        why = "null with eval_path set (eval_path's rows are the eval rows)"
+        return [("eval_split", source.eval_split, why)]
+    return []
+
+
 def _path_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
     path = source.path
     if source.adapter in GENERATED:
@@ -294,8 +405,10 @@ def _path_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
         return out + _split_problems(source, adapter)
     if source.adapter == "local" and path is None:
         return [("path", None, PATH_ACCEPTED)]
-    if path is not None and (source.adapter == "local" or _looks_local(path)):
-        out = [] if _is_usable_local(path) else [("path", path, PATH_ACCEPTED)]
+    if path is not None and reads_local(source):
+        if not local.is_usable(path):
+            return [("path", path, PATH_ACCEPTED)]
+        out = _local_split_problems(source)
         if source.subset is not None:
             out.append(("subset", source.subset, "null (subset names a hub dataset's config)"))
         return out
@@ -304,12 +417,34 @@ def _path_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
     return []  # another hub id: its splits are unknown until it loads
 
 
+def _ab_problems(columns: dict[str, str]) -> list[tuple[str, Any, str]]:
+    """answer_a / answer_b come together, with a label or two scores, and alone."""
+    ab = [k for k in AB_KEYS if k in columns]
+    if not ab:
+        return []
+    scored = "score_a" in columns and "score_b" in columns and "label" not in columns
+    labelled = "label" in columns and not ({"score_a", "score_b"} & set(columns))
+    whole = "answer_a" in columns and "answer_b" in columns and (scored or labelled)
+    others = [k for k in ("chosen", "rejected", "responses") if k in columns]
+    if whole and not others:
+        return []
+    accepted = (
+        "answer_a and answer_b with label (which is preferred: 1/true/A or 0/false/B) or with "
+        "score_a and score_b (the higher is preferred), and no chosen/rejected/responses"
+    )
+    return [("columns", columns, accepted)]
+
+
 def _mapping_problems(source: Any) -> list[tuple[str, Any, str]]:
     out = []
     columns = dict(source.columns or {})
     for key, column in columns.items():
         if key not in COLUMN_KEYS:
             out.append((f"columns.{key}", column, f"a key among {', '.join(COLUMN_KEYS)}"))
+    for column, keys in duplicate_columns(columns).items():
+        why = f"each file column mapped once ({column!r} is mapped to {' and '.join(keys)})"
+        out.append(("columns", columns, why))
+    out += _ab_problems({k: v for k, v in columns.items() if k in COLUMN_KEYS})
     if "{prompt}" not in source.prompt_template:
         out.append(("prompt_template", source.prompt_template, 'a string containing "{prompt}"'))
     elif source.adapter != "local" and source.prompt_template != "{prompt}":
@@ -317,6 +452,14 @@ def _mapping_problems(source: Any) -> list[tuple[str, Any, str]]:
     if source.adapter != "local" and columns:
         out.append(("columns", columns, "{} (only local has a column mapping)"))
     return out
+
+
+def duplicate_columns(plan: dict[str, str]) -> dict[str, list[str]]:
+    """File columns that more than one schema key reads: column -> keys."""
+    keys_of: dict[str, list[str]] = {}
+    for key, column in plan.items():
+        keys_of.setdefault(column, []).append(key)
+    return {column: keys for column, keys in keys_of.items() if len(keys) > 1}
 
 
 def _task_problems(source: Any) -> list[tuple[str, Any, str]]:
@@ -350,7 +493,8 @@ def source_problems(source: Any) -> list[tuple[str, Any, str]]:
     out += _task_problems(source)
     if source.eval_split is not None and source.eval_split == source.train_split:
         out.append(("eval_split", source.eval_split, "another split than train_split, or null"))
-    return out + _mapping_problems(source) + _path_problems(source, adapter)
+    out += _mapping_problems(source) + _eval_path_problems(source)
+    return out + _path_problems(source, adapter)
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -361,96 +505,6 @@ def describe(source: Any) -> str:
     adapter = ADAPTERS.get(source.adapter)
     path = source.path or (adapter.hub_id if adapter else None) or "generated"
     return f"{source.adapter} ({path})"
-
-
-def _open_local(source: Any) -> datasets.Dataset | datasets.DatasetDict:
-    """A local file or save_to_disk directory. An empty file is an empty table (the pipeline
-    then reports the source as having no usable rows); bytes that are not UTF-8 and lines
-    that are not JSON are reported with their line number instead of a traceback."""
-    path = os.path.expanduser(source.path)
-    if os.path.isdir(path):
-        return datasets.load_from_disk(path)
-    extension = os.path.splitext(path)[1].lower()
-    if extension in (".jsonl", ".json"):
-        _check_utf8(source, path)
-        if _is_blank(path):
-            return datasets.Dataset.from_dict({})
-    builder = _FILE_BUILDERS[extension]
-    # the builder logs its own parse error at ERROR level before raising; the message below says it
-    builder_log = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
-    level = builder_log.level
-    builder_log.setLevel(logging.CRITICAL)
-    try:
-        return datasets.load_dataset(builder, data_files=path, split="train")
-    except (datasets.exceptions.DatasetGenerationError, ValueError, StopIteration) as err:
-        where = _first_bad_json(path) if extension in (".jsonl", ".json") else None
-        cause = err.__cause__ or err
-        raise SourceError(
-            f"source {describe(source)}: {where or f'cannot read it: {cause}'}"
-        ) from None
-    finally:
-        builder_log.setLevel(level)
-
-
-def _check_utf8(source: Any, path: str) -> None:
-    """Raise a SourceError naming the first line with bytes that are not UTF-8. ``datasets``
-    loads such a file without complaint and fails later, on the first access to that row."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-        return
-    except UnicodeDecodeError:
-        pass
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                shown = line.decode("utf-8", errors="replace").rstrip("\n")
-                at = len(line[: err.start].decode("utf-8", errors="replace"))
-                near = shown[max(at - 20, 0) : at + 20]
-                raise SourceError(
-                    f"source {describe(source)}: line {number} is not valid UTF-8 (byte "
-                    f"0x{line[err.start]:02x} at byte {err.start + 1}: {near!r}); re-encode the "
-                    "file as UTF-8"
-                ) from None
-
-
-def _is_blank(path: str) -> bool:
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True
-
-
-def _first_bad_json(path: str) -> str | None:
-    """'line N is not JSON (...)' for the first line of a .jsonl (or the .json document) that
-    does not parse, or None when it all parses."""
-    with open(path, encoding="utf-8") as f:
-        if path.lower().endswith(".json"):
-            try:
-                json.load(f)
-            except json.JSONDecodeError as err:
-                return f"line {err.lineno} is not JSON ({err.msg}, column {err.colno})"
-            return None
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as err:
-                return f"line {number} is not JSON ({err.msg}): {line.strip()[:40]!r}"
-    return None
-
-
-def _named_split(source: Any, tables: datasets.DatasetDict, name: str) -> datasets.Dataset:
-    if name not in tables:
-        raise SourceError(f"source {describe(source)}: no split {name!r}; it has {sorted(tables)}")
-    return tables[name]
 
 
 def source_task(source: Any) -> str | None:
@@ -465,48 +519,135 @@ def _task_split(source: Any, name: str) -> datasets.Dataset:
     return datasets.Dataset.from_list(task.rows(name, size, source.seed, source.num_ranked))
 
 
-def _raw_split(source: Any, split: str, seed: int) -> datasets.Dataset:
-    """The raw rows of ``split`` ("train" | "eval"): loaded, carved, capped."""
-    adapter = ADAPTERS[source.adapter]
-    local = source.adapter == "local" or (source.path is not None and _looks_local(source.path))
-    tables = _open_local(source) if local else None
-    carve = source.eval_split is None or isinstance(tables, datasets.Dataset)
-    name = source.train_split if split == "train" or carve else source.eval_split
+def _hub_split(source: Any, name: str, key: str) -> datasets.Dataset:
+    """``datasets.load_dataset`` of a hub id; an unreachable or unknown one is one line."""
+    hub_id = source.path or ADAPTERS[source.adapter].hub_id
+    try:
+        return datasets.load_dataset(hub_id, source.subset, split=name)
+    except datasets.exceptions.DatasetNotFoundError:
+        why = "and not a dataset on the hub (or a private one: log in with HF_TOKEN)"
+    except ConnectionError:
+        why = "and the hub is not reachable (offline)"
+    raise SourceError(f"{key}={hub_id!r}: not a local directory, {why}") from None
+
+
+def _one_table(data: datasets.Dataset | datasets.DatasetDict) -> datasets.Dataset:
+    return next(iter(data.values())) if isinstance(data, datasets.DatasetDict) else data
+
+
+def _named_split(source: Any, tables: datasets.DatasetDict, name: str) -> datasets.Dataset:
+    if name not in tables:
+        raise SourceError(f"source {describe(source)}: no split {name!r}; it has {sorted(tables)}")
+    return tables[name]
+
+
+def eval_origin(source: Any) -> str:
+    """Where ``source``'s eval rows come from, for the log."""
     if source.adapter in GENERATED:
+        return f"the task's {source.eval_split or source.train_split} split"
+    if source.eval_path is not None:
+        return f"eval_path {source.eval_path}"
+    if carves(source):
+        return (
+            f"carved out of its {source.train_split} split: it has no eval split "
+            f"(eval_fraction={source.eval_fraction})"
+        )
+    return f"its {source.eval_split} split"
+
+
+def carves(source: Any) -> bool:
+    """Whether the eval rows are carved out of the train split."""
+    if source.eval_path is not None:
+        return False
+    if source.eval_split is None:
+        return True
+    return reads_local(source) and local.splits(source.path) is None
+
+
+def _raw_split(source: Any, split: str, seed: int, key: str) -> datasets.Dataset:
+    """The raw rows of ``split`` ("train" | "eval"): loaded, carved, capped."""
+    carve = carves(source)
+    name = source.train_split if split == "train" or carve else source.eval_split
+    if split == "eval" and source.eval_path is not None:
+        data = _one_table(local.open_copy(source.eval_path, f"source {describe(source)}"))
+    elif source.adapter in GENERATED:
         data = _task_split(source, name)
-    elif tables is None:
-        data = datasets.load_dataset(source.path or adapter.hub_id, source.subset, split=name)
-    elif isinstance(tables, datasets.Dataset):
-        data = tables
+    elif not reads_local(source):
+        data = _hub_split(source, name, key)
     else:
-        data = _named_split(source, tables, name)
+        tables = local.open_copy(source.path, f"source {describe(source)}")
+        data = tables if isinstance(tables, datasets.Dataset) else None
+        data = data if data is not None else _named_split(source, tables, name)
     if carve:
         train_idx, eval_idx = train_eval_indices(len(data), source.eval_fraction, seed)
-        data = data.select(train_idx if split == "train" else eval_idx)
+        data = data.select(train_idx if split == "train" else eval_idx, keep_in_memory=True)
     if source.num_rows > 0 and source.adapter not in GENERATED:
-        data = data.select(range(min(source.num_rows, len(data))))
+        data = data.select(range(min(source.num_rows, len(data))), keep_in_memory=True)
     return data
 
 
-def _schema_columns(source: Any, data: datasets.Dataset) -> datasets.Dataset:
-    """Check the raw columns; for adapter local, rename the mapped columns to the schema's names."""
+def _column_plan(columns: dict[str, str], present: Sequence[str]) -> dict[str, str]:
+    """The file column each schema key reads (adapter local). Every column named here must
+    exist; chosen / rejected are optional beside a ranked ``responses`` column."""
+    plan = {"prompt": columns.get("prompt", "prompt")}
+    if "answer_a" in columns:
+        plan |= {key: columns[key] for key in AB_KEYS if key in columns}
+    else:
+        ranked = columns.get("responses", "responses")
+        if "responses" in columns or ranked in present:
+            plan["responses"] = ranked
+        for key in ("chosen", "rejected"):
+            column = columns.get(key, key)
+            if key in columns or "responses" not in plan or column in present:
+                plan[key] = column
+    if "response" in columns:  # a file's own "response" column is read only when mapped
+        plan["response"] = columns["response"]
+    return plan
+
+
+def _type_name(feature: Any) -> str:
+    return feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+
+
+def _text_column_notes(source: Any, data: datasets.Dataset, plan: dict[str, str]) -> list[str]:
+    """Refuse a mapped text column whose values are not text (numbers, lists ...); a column of
+    mixed types (datasets' Json) keeps its text rows, and the others are skipped: a note."""
+    notes = []
+    for key in TEXT_KEYS:
+        feature = data.features.get(key)
+        if feature is None or _type_name(feature) in ("string", "large_string"):
+            continue
+        if isinstance(feature, datasets.Json):
+            notes.append(
+                f"column {plan[key]!r} ({key}) holds mixed types: its non-text rows are skipped"
+            )
+            continue
+        raise SourceError(
+            f"source {describe(source)}: column {plan[key]!r} ({key}) holds "
+            f"{_type_name(feature)} values, not text; map a text column "
+            f"(data.sources.<name>.columns.{key}=...)"
+        )
+    return notes
+
+
+def _schema_columns(source: Any, data: datasets.Dataset) -> tuple[datasets.Dataset, list[str]]:
+    """Check the raw columns; for adapter local, rename the mapped columns to the schema's names.
+    Returns the renamed rows and notes for the log."""
     present = data.column_names
     if source.adapter != "local":
         _check_columns(source, ADAPTERS[source.adapter].required_columns, present)
-        return data
-    columns = dict(source.columns or {})
-    column_of = {key: columns.get(key, key) for key in COLUMN_KEYS}
-    # a demonstration column is read only when mapped: a file's own "response" may be anything
-    keys = [key for key in COLUMN_KEYS if key != "response" or "response" in columns]
-    mapping = {column_of[key]: key for key in keys if column_of[key] in present}
-    # the prompt and every explicitly mapped column must exist
-    needed = [column_of["prompt"], *(columns[key] for key in COLUMN_KEYS if key in columns)]
-    if "responses" not in mapping.values():
-        needed += [column_of["chosen"], column_of["rejected"]]
-    _check_columns(source, list(dict.fromkeys(needed)), present)
-    return data.select_columns(list(mapping)).rename_columns(
-        {old: new for old, new in mapping.items() if old != new}
+        return data, []
+    plan = _column_plan(dict(source.columns or {}), present)
+    for column, keys in duplicate_columns(plan).items():
+        raise SourceError(
+            f"source {describe(source)}: column {column!r} is read as {' and '.join(keys)}; "
+            f"map each column once (data.sources.<name>.columns)"
+        )
+    _check_columns(source, list(plan.values()), present)
+    renamed = data.select_columns(list(plan.values())).rename_columns(
+        {column: key for key, column in plan.items() if column != key}
     )
+    return renamed, _text_column_notes(source, renamed, plan)
 
 
 def _check_columns(source: Any, needed: Sequence[str], present: Sequence[str]) -> None:
@@ -537,11 +678,33 @@ def _map_batch(batch: dict[str, list], to_pair: Callable, out_columns: Sequence[
     return out
 
 
-def load_pairs(source: Any, split: str, seed: int) -> tuple[datasets.Dataset, int]:
-    """The ``split`` ("train" | "eval") rows of ``source`` in the schema, and how many were skipped.
+@dataclass
+class Loaded:
+    """One split of one source in the schema, and what the log says about it."""
 
-    ``seed`` (the data seed) fixes the eval carve-out of sources without an eval split. Raises
-    :class:`SourceError` on a misconfigured source or columns that do not match the adapter.
+    rows: datasets.Dataset
+    read: int  # raw rows read (after the carve-out and the num_rows cap)
+    notes: list[str] = field(default_factory=list)  # for the log, with the counts
+    warnings: list[str] = field(default_factory=list)  # likely mistakes in the data
+
+    @property
+    def skipped(self) -> int:
+        return self.read - len(self.rows)
+
+
+def load_pairs(source: Any, split: str, seed: int) -> tuple[datasets.Dataset, int]:
+    """The ``split`` ("train" | "eval") rows of ``source`` in the schema, and how many were
+    skipped (:func:`load_source` says more)."""
+    loaded = load_source(source, split, seed)
+    return loaded.rows, loaded.skipped
+
+
+def load_source(source: Any, split: str, seed: int, name: str | None = None) -> Loaded:
+    """The ``split`` ("train" | "eval") rows of ``source`` in the schema, with the log's notes.
+
+    ``seed`` (the data seed) fixes the eval carve-out of sources without an eval split; ``name``
+    (its key in data.sources) names it in messages. Raises :class:`SourceError` on a
+    misconfigured source or columns that do not match the adapter.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -549,31 +712,56 @@ def load_pairs(source: Any, split: str, seed: int) -> tuple[datasets.Dataset, in
     if problems:
         listed = "; ".join(f"{key}={value!r}: expected {ok}" for key, value, ok in problems)
         raise SourceError(f"source {describe(source)}: {listed}")
-    raw = _raw_split(source, split, seed)
+    key = f"data.sources.{name or source.adapter}.path"
+    try:
+        raw = _raw_split(source, split, seed, key)
+    except local.LocalFileError as err:
+        raise SourceError(str(err)) from None
     if len(raw) == 0 and not raw.column_names:  # an empty file: no rows, no columns
-        return datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(PAIR_COLUMNS)), 0
-    raw = _schema_columns(source, raw)
+        empty = datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(PAIR_COLUMNS))
+        return Loaded(empty, 0)
+    raw, notes = _schema_columns(source, raw)
+    pairs = _map(source, raw)
+    return Loaded(pairs, len(raw), notes, _escaped_newlines(pairs))
+
+
+def _map(source: Any, raw: datasets.Dataset) -> datasets.Dataset:
     to_pair = ADAPTERS[source.adapter].to_pair
     if source.adapter == "local":
-        to_pair = partial(local_pair, template=source.prompt_template)
+        to_pair = partial(local_pair, template=unescape(source.prompt_template))
     # the demonstration (response), kept from a task's rows or a local file's mapped column
     keeps_response = "response" in raw.column_names and (
         source.adapter in GENERATED or "response" in (source.columns or {})
     )
+    has_ranked = "responses" in raw.column_names
     out_columns = [
         *PAIR_COLUMNS,
-        *(["responses"] if "responses" in raw.column_names else []),
+        *(["responses"] if has_ranked else []),
         *(["response"] if keeps_response else []),
     ]
     try:
-        pairs = raw.map(
+        return raw.map(
             _map_batch,
             batched=True,
             fn_kwargs={"to_pair": to_pair, "out_columns": out_columns},
             remove_columns=raw.column_names,
             features=_features(out_columns),
             desc=f"mapping {source.adapter}",
+            # a saved dataset is read in place: its cache files would land in the user's folder
+            keep_in_memory=reads_local(source) and local.in_user_folder(raw, source.path),
         )
     except UnicodeDecodeError as err:  # a parquet file or saved dataset (files are checked first)
         raise SourceError(f"source {describe(source)}: a row is not valid UTF-8 ({err})") from None
-    return pairs, len(raw) - len(pairs)
+
+
+def _escaped_newlines(pairs: datasets.Dataset) -> list[str]:
+    """A warning when texts hold a backslash followed by n (two characters): a file escaped
+    twice, or a template written on a command line, whose model would see "\\n" literally."""
+    columns = [pairs[column] for column in PAIR_COLUMNS]
+    found = sum(any("\\n" in text for text in texts) for texts in zip(*columns))
+    if not found:
+        return []
+    return [
+        f"{found} of {len(pairs)} rows hold a literal backslash-n ('\\\\n', two characters, not "
+        "a newline) in prompt, chosen or rejected: is the file escaped twice?"
+    ]
