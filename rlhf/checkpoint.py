@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,16 @@ def resume_point(run_dir: Path, mode: str) -> Path | None:
 
 
 def save(
-    run_dir: Path, step: int, engines: dict[str, Any], trainer: dict[str, Any], keep: int
+    run_dir: Path,
+    step: int,
+    engines: dict[str, Any],
+    trainer: dict[str, Any],
+    keep: int,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Collective: every rank must call it. Returns the checkpoint's directory."""
+    """Collective: every rank must call it. Returns the checkpoint's directory. ``write_files``
+    (called on every rank with the temporary directory) adds a recipe's own files, e.g. state
+    sharded over the ranks that must not pass through rank 0's trainer.pt."""
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
@@ -73,6 +81,8 @@ def save(
         for name, engine in engines.items():
             engine.save_checkpoint(str(tmp / name), tag="state", save_latest=False)
         torch.save(rng_state(), tmp / f"rng-rank{rank()}.pt")
+        if write_files is not None:
+            write_files(tmp)
         if is_main():
             torch.save({**trainer, "world_size": world_size()}, tmp / "trainer.pt")
     # a full disk, a quota, a file-size limit (torch.save reports a failed write as a

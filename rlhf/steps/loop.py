@@ -183,6 +183,7 @@ class Run:
         self.started = time.perf_counter() if started is None else started
         self.eval_seconds = 0.0
         resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
+        self.resumed_from: Path | None = resume_from  # the checkpoint directory, if any
         self.trainer = checkpoint.load(resume_from, engines) if resume_from else None
         resumed = self.trainer or {}
         self.state = TrainState(**resumed["state"]) if resumed else TrainState()
@@ -199,6 +200,8 @@ class Run:
         )
         self.guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, *engines.values())
         self.extra_state: Callable[[], dict[str, Any]] = dict  # the recipe's own, for checkpoints
+        # the recipe's own files in a checkpoint (every rank; called with its directory)
+        self.extra_files: Callable[[Path], None] | None = None
         self._stop: StopRequest | None = None
         self._bar: tqdm | None = None
 
@@ -236,7 +239,12 @@ class Run:
             **self.extra_state(),
         }
         checkpoint.save(
-            self.info.run_dir, step, self.engines, trainer, self.cfg.step.keep_checkpoints
+            self.info.run_dir,
+            step,
+            self.engines,
+            trainer,
+            self.cfg.step.keep_checkpoints,
+            self.extra_files,
         )
 
     @contextmanager
