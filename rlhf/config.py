@@ -422,6 +422,16 @@ class PPOConfig:
     top_k: int = 0  # top-k sampling; 0: off
     greedy: bool = False  # decode greedily (DeepSpeed-Chat's rollouts) instead of sampling
     min_response_tokens: int = 2  # shorter answers are masked out of every loss (and counted)
+    # subtracted from the clipped score of an answer cut at max_new_tokens: the reward model
+    # scores it at a token it never saw last (ppo/unterminated: their share). 0 (off): the
+    # right size depends on the reward's units (normalised, raw, a 0/1 rule) and DeepSpeed-Chat
+    # has none; TRL's 1.0 is one std of normalised scores
+    unterminated_penalty: float = 0.0
+    # null: answers shorter than min_response_tokens are masked out of every loss (counted as
+    # ppo/short_answers); a value: they stay in the losses with -short_answer_penalty as their
+    # score, so a drift towards empty answers is pushed back (null keeps DeepSpeed-Chat's
+    # dropping of such answers, as masking, and the published numbers)
+    short_answer_penalty: float | None = None
     stop_at_eos: bool = True  # false: always generate max_new_tokens (DeepSpeed-Chat's cost)
     # the KV cache of generation (HF's cache_implementation): static preallocates prompt +
     # max_new_tokens and copies nothing per step (faster decoding on CPU); dynamic grows
@@ -431,9 +441,15 @@ class PPOConfig:
     # stop_at_eos and the dynamic cache; ZeRO-3 on several ranks uses HF generate regardless)
     drop_finished_rows: bool = False
     # old log-probs from the logits the sampling pass already computed (the generating weights,
-    # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does (and
-    # as this does with actor.hybrid_engine, whose inference kernels' logits differ slightly)
-    rollout_logprobs: bool = True
+    # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does.
+    # null: true in fp32, false in bf16 / fp16, whose KV-cached decoding computes other logits
+    # than the update's forward (the first ratio is not 1, the KL gets a floor); always false
+    # with actor.hybrid_engine, whose inference kernels differ too
+    rollout_logprobs: bool | None = None
+    # PPO iterations between measurements of the sampler / trainer log-prob gap
+    # (ppo/logprob_diff_mean, ppo/logprob_diff_max: |sampled - training forward's| per answer
+    # token), a second actor forward where rollout_logprobs is on; 0: never
+    logprob_gap_interval: int = 10
     # the experience and update passes run over the rollout's rows packed end to end
     # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
     packing: bool = False
@@ -538,9 +554,14 @@ class PPOConfig:
             "clip_reward_value",
             "entropy_coef",
             "unsup_coef",
+            "unterminated_penalty",
         ):
             if getattr(self, key) < 0:
                 out.append((key, getattr(self, key), "a float >= 0"))
+        if self.short_answer_penalty is not None and self.short_answer_penalty < 0:
+            out.append(("short_answer_penalty", self.short_answer_penalty, "null or a float >= 0"))
+        if self.logprob_gap_interval < 0:
+            out.append(("logprob_gap_interval", self.logprob_gap_interval, "an integer >= 0"))
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             out.append(("gamma/lam", (self.gamma, self.lam), "floats in [0, 1]"))
         if not 0.0 < self.ema_beta < 1.0:

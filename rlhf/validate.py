@@ -27,7 +27,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlhf import tasks
-from rlhf.config import Config, ConfigError, ModelConfig, problem_message, to_config
+from rlhf.config import (
+    Config,
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    problem_message,
+    to_config,
+)
 from rlhf.data.sources import source_problems, source_task
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
@@ -313,10 +320,140 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
     return out
 
 
+# PPO's trained models. Old log-probs and values are taken in eval mode, updates run in train
+# mode: the two compute the same function only when no dropout acts. rlhf.rl.models checks the
+# loaded models again (a hub model, step=all's exports).
+DROPOUT_WHY = (
+    "PPO takes old log-probs and values in eval mode and updates in train mode, which agree "
+    "only without dropout"
+)
+
+
+def dropout_problems(
+    role: str, model: ModelConfig, lora: LoraConfig, config_json: dict[str, Any] | None
+) -> list[str]:
+    """A trained PPO model's dropouts that are not 0: its LoRA's, the model.dropout override,
+    and (the override null) those of ``config_json``, the model's config.json or the tiny
+    model's init (None: not known yet)."""
+    from rlhf.models import DROPOUT_KEYS
+
+    out = []
+    if lora.rank > 0 and lora.dropout > 0:
+        out.append(f"{role}.lora.dropout={lora.dropout}: expected 0.0; {DROPOUT_WHY}")
+    if model.dropout is not None and model.dropout > 0:
+        out.append(f"{role}.model.dropout={model.dropout}: expected 0.0; {DROPOUT_WHY}")
+    config_json = config_json or {}
+    kept = [
+        f"{key}={config_json[key]}"
+        for key in DROPOUT_KEYS
+        if model.dropout is None and _positive(config_json.get(key))
+    ]
+    where = f"{role}.model.path={model.path}" if model.path else f"{role}.model.init"
+    if kept:
+        out.append(
+            f"{role}.model.dropout=None keeps the model's own dropout ({', '.join(kept)} in "
+            f"{where}); expected {role}.model.dropout=0.0: {DROPOUT_WHY}"
+        )
+    if _positive(config_json.get("layerdrop")):
+        out.append(
+            f"{where}: layerdrop={config_json['layerdrop']} (model.dropout does not set it); "
+            f"expected 0.0 in its config: {DROPOUT_WHY}"
+        )
+    return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _model_json(model: ModelConfig) -> dict[str, Any] | None:
+    """config.json of a local model directory, the tiny model's init for path null, or None."""
+    if model.path is None:
+        return dict(model.init)
+    path = os.path.expanduser(model.path)
+    return read_model_config("model.path", path) if os.path.isdir(path) else None
+
+
+def ppo_model_problems(config: Config) -> list[str]:
+    """step=ppo: no dropout acts in the trained actor and critic, and the reward model was
+    trained to score the end-of-text token the actor ends its answers with. Model
+    directories that do not exist yet (step=all) are checked when PPO loads them."""
+    if config.step.name != "ppo":
+        return []
+    out = []
+    for role in ("actor", "critic"):
+        trained = getattr(config, role)
+        out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
+    actor, critic = config.actor.model, config.critic.model
+    local = [m.path and os.path.isdir(os.path.expanduser(m.path)) for m in (actor, critic)]
+    if config.ppo.reward_function is None and all(local):
+        from rlhf.models import end_of_text_id, load_tokenizer, read_stats
+        from rlhf.rl.models import end_of_text_problem
+
+        tokenizer = load_tokenizer(actor, actor.path)
+        eot = end_of_text_id(actor, tokenizer)
+        problem = end_of_text_problem(eot, read_stats(critic.path), critic.path, tokenizer)
+        out += [problem] if problem else []
+    return out
+
+
+def hybrid_engine_model_problem(config: Config) -> str | None:
+    """actor.hybrid_engine on an architecture DeepSpeed's hybrid engine cannot decode right
+    (rlhf.rl.models.hybrid_engine_problem). The actor's class comes from its config.json; in
+    step=all the actor is the SFT export of model.path, so from that one's."""
+    if not config.actor.hybrid_engine or config.step.name not in ("ppo", "all"):
+        return None
+    if config.ppo.rollout_logprobs:
+        return (
+            "ppo.rollout_logprobs=true: expected null or false with actor.hybrid_engine=true "
+            "(its inference kernels' logits are not the update's, so the old log-probs are "
+            "recomputed)"
+        )
+    from rlhf.rl.models import hybrid_engine_problem
+
+    lm_class = _actor_class(config)
+    problem = hybrid_engine_problem(lm_class) if lm_class is not None else None
+    return f"actor.hybrid_engine=true: {problem}" if problem else None
+
+
+def _actor_class(config: Config) -> type | None:
+    """The causal LM class PPO's actor will load as, or None when it cannot be told (remote
+    code; a hub id whose config.json can be neither found in the cache nor downloaded: then
+    rlhf.rl.models checks the loaded model)."""
+    from transformers import AutoConfig, OPTForCausalLM
+
+    from rlhf.rl.models import causal_lm_class
+
+    actor = config.actor.model
+    produced = (
+        actor.path is not None
+        and _looks_local(actor.path)
+        and not os.path.isdir(os.path.expanduser(actor.path))
+    )
+    source = config.model if actor.path is None or produced else actor
+    if source.path is None:
+        return OPTForCausalLM  # the embedded tiny model
+    if os.path.isdir(os.path.expanduser(source.path)):
+        return causal_lm_class(read_model_config("model.path", source.path) or {})
+    try:
+        hub = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+    except Exception:  # offline, unknown id, remote code: checked once loaded
+        return None
+    return causal_lm_class(hub.to_dict())
+
+
 def check_launch(config: Config) -> None:
     """Checks that depend on the machine or on files, not only on the config: they run before
     the process group and any model."""
     problem = hybrid_engine_problem(config.step.name, config.actor.hybrid_engine, config.device)
+    problem = problem or hybrid_engine_model_problem(config)
     if problem:
         raise ConfigError(problem)
     check_models(config)
+    problems = ppo_model_problems(config)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(
+            "PPO cannot train these models as configured:\n  " + "\n  ".join(problems)
+        )

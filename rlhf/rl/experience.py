@@ -7,6 +7,8 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,7 +17,7 @@ import torch
 from rlhf import algos
 from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
-from rlhf.dist import all_reduce_sum, world_size
+from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.engine import model_device
 from rlhf.rl.generation import Rollout, Sampling, generate
 from rlhf.rl.models import Models
@@ -34,10 +36,14 @@ class Experience(NamedTuple):
         generated it and under the frozen reference.
     old_values: (B, R) critic values of the state before each response token.
     scores: (B,) reward-model scores (normalised and before clipping).
-    rewards: (B, R) -kl_coef * KL per token, plus the clipped score at the last real token.
+    rewards: (B, R) -kl_coef * KL per token, plus the clipped score (less any penalty) at the
+        last real token.
     kl: (B, R) per-token KL estimate (actor vs reference).
     advantages, returns: (B, R) GAE outputs.
-    short: (B,) True where the answer was too short and masked out.
+    short: (B,) True where the answer was shorter than min_response_tokens (masked out, or
+        kept with its penalty as its score).
+    unterminated: (B,) True where the answer was cut at max_new_tokens (no end-of-text);
+        None: not recorded.
     """
 
     sequences: torch.Tensor
@@ -53,6 +59,7 @@ class Experience(NamedTuple):
     advantages: torch.Tensor
     returns: torch.Tensor
     short: torch.Tensor
+    unterminated: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> Experience:
         """The same experience restricted to rows ``index``."""
@@ -159,10 +166,18 @@ class Shaping:
     reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
     temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
     packing: bool = False  # score packed rows (ppo.packing): no forward over padding
+    # take the actor's and reference's log-probs from fp32 logits, as the update takes the
+    # actor's (actor.optim.compute_fp32_loss): the first ratio is then exactly the update's
+    fp32_logits: bool = False
+    unterminated_penalty: float = 0.0  # subtracted from the clipped score of a cut answer
+    # None: answers shorter than min_response_tokens are masked out of every loss; a value:
+    # they stay in the losses with -short_answer_penalty as their score
+    short_answer_penalty: float | None = None
 
 
-def shaping(ppo: PPOConfig, kl_coef: float, score_position: str, reward_stats) -> Shaping:
+def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
     """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef."""
+    ppo = cfg.ppo
     return Shaping(
         kl_coef,
         ppo.kl_estimator,
@@ -174,6 +189,9 @@ def shaping(ppo: PPOConfig, kl_coef: float, score_position: str, reward_stats) -
         reward_stats,
         1.0 if ppo.greedy else ppo.temperature,
         ppo.packing,
+        cfg.actor.optim.compute_fp32_loss,
+        ppo.unterminated_penalty,
+        ppo.short_answer_penalty,
     )
 
 
@@ -184,20 +202,33 @@ def kl_controller(ppo: PPOConfig):
     return algos.FixedKLController(ppo.kl_coef)
 
 
+@contextmanager
+def eval_modules(*models) -> Iterator[None]:
+    """The models' modules in eval mode while inside (the module's switch, not the DeepSpeed
+    engine's: the hybrid engine's ``engine.eval()`` would swap in its inference kernels)."""
+    modules = [getattr(model, "module", model) for model in models]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.train()
+
+
 @torch.no_grad()
 def make_experience(
     rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
 ) -> Experience:
-    """Score a rollout with the four models (all in eval mode, so the old log-probs come from
-    the generating weights without dropout; the rollout's own when it carries them) and
-    compute rewards and advantages."""
-    for trained in (actor, critic):
-        trained.eval()
-    try:
+    """Score a rollout with the four models and compute rewards and advantages. The old
+    log-probs are the rollout's own when it carries them, else a forward of the actor.
+
+    The trained models are switched to eval mode at the module, not the DeepSpeed engine: the
+    hybrid engine's ``engine.eval()`` swaps in its inference kernels, and the old log-probs
+    must come from the training kernels the update uses. (Every dropout of a trained PPO model
+    is 0, rlhf.validate checks it, so eval and train mode compute the same function.)"""
+    with eval_modules(actor, critic):
         return _score(rollout, actor, reference, critic, reward_model, shaping, device)
-    finally:
-        for trained in (actor, critic):
-            trained.train()
 
 
 def _score(
@@ -209,18 +240,21 @@ def _score(
     response_mask, short = mask_short_answers(
         rollout.response_mask.to(device), shaping.min_response_tokens
     )
+    if shaping.short_answer_penalty is not None:  # short answers stay in the losses
+        response_mask = rollout.response_mask.to(device)
+    unterminated = (
+        ~rollout.ended.to(device)
+        if rollout.ended is not None
+        else torch.zeros_like(short)  # not recorded: every answer counts as ended
+    )
 
     packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
-    temperature = shaping.temperature
+    logprob_args = dict(fp32=shaping.fp32_logits, temperature=shaping.temperature, packing=packing)
     if rollout.logprobs is not None:  # the sampling pass already computed them
         old_logprobs = rollout.logprobs.to(device)
     else:
-        old_logprobs, _ = response_logprobs(
-            actor, sequences, attention_mask, start, temperature=temperature, packing=packing
-        )
-    ref_logprobs, _ = response_logprobs(
-        reference, sequences, attention_mask, start, temperature=temperature, packing=packing
-    )
+        old_logprobs, _ = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
+    ref_logprobs, _ = response_logprobs(reference, sequences, attention_mask, start, **logprob_args)
     old_values = response_values(critic, sequences, attention_mask, start, packing).float()
     scores = reward_scores(
         reward_model,
@@ -236,12 +270,12 @@ def _score(
         scores = (scores - mean) / max(std, 1e-6)
 
     rewards, kl = algos.compute_rewards(
-        scores,
+        penalised_scores(scores, short, unterminated, shaping),
         old_logprobs.float(),
         ref_logprobs.float(),
         response_mask,
         shaping.kl_coef,
-        shaping.clip_reward_value,
+        None,  # penalised_scores clipped them
         shaping.kl_estimator,
     )
     advantages, returns = algos.gae(rewards, old_values, response_mask, shaping.gamma, shaping.lam)
@@ -259,7 +293,23 @@ def _score(
         advantages,
         returns,
         short,
+        unterminated,
     )
+
+
+def penalised_scores(
+    scores: torch.Tensor, short: torch.Tensor, unterminated: torch.Tensor, shaping: Shaping
+) -> torch.Tensor:
+    """(B,) what each answer's last token receives: its score clipped to +-clip_reward_value,
+    less unterminated_penalty where it was cut at max_new_tokens (the reward model scored a
+    position it never saw in training), and -short_answer_penalty in place of the score of an
+    answer too short to trust it. The penalties come after the clip, so a score at the clip
+    cannot absorb them. scores, short, unterminated: (B,)."""
+    clip = shaping.clip_reward_value
+    out = scores.clamp(-clip, clip) - shaping.unterminated_penalty * unterminated.to(scores.dtype)
+    if shaping.short_answer_penalty is not None:
+        out = torch.where(short, torch.full_like(out, -shaping.short_answer_penalty), out)
+    return out
 
 
 def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
@@ -284,30 +334,38 @@ def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
 
 
 def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
-    """Reward, KL to the reference (summed over each answer), answer length, masked answers;
-    means over the rows of all ranks that were not masked for being too short."""
-    sums = torch.zeros(6, dtype=torch.float64)
+    """Reward, KL to the reference (the configured estimator, summed over each answer), answer
+    length: means over the rows of all ranks that are not short; the count of short answers and
+    the share of all answers cut at max_new_tokens (ppo/unterminated)."""
+    sums = torch.zeros(9, dtype=torch.float64)
     for e in experiences:
         keep = ~e.short
+        mask = e.response_mask & keep.unsqueeze(1)  # short rows kept by a penalty: not counted
         sums += torch.tensor(
             [
                 float(keep.sum()),
                 e.scores[keep].sum().item(),
-                algos.masked_sum(e.kl, e.response_mask).item(),
-                e.response_mask.sum().item(),
+                algos.masked_sum(e.kl, mask).item(),
+                mask.sum().item(),
                 float(e.short.sum()),
                 algos.masked_sum(e.advantages, e.response_mask).item(),
+                e.response_mask.sum().item(),
+                float(e.unterminated.sum()) if e.unterminated is not None else 0.0,
+                float(len(e.short)),
             ],
             dtype=torch.float64,
         )
-    rows, reward, kl, length, short, advantages = all_reduce_sum(*sums.tolist())
+    rows, reward, kl, length, short, advantages, tokens, cut, answers = all_reduce_sum(
+        *sums.tolist()
+    )
     rows = max(rows, 1.0)
     return {
         "ppo/reward": reward / rows,
         "ppo/kl": kl / rows,
         "ppo/response_length": length / rows,
         "ppo/short_answers": short,
-        "ppo/advantage_mean": advantages / max(length, 1.0),
+        "ppo/unterminated": cut / max(answers, 1.0),
+        "ppo/advantage_mean": advantages / max(tokens, 1.0),
     }
 
 
@@ -329,7 +387,9 @@ def concat(experiences: list[Experience]) -> Experience:
 
 def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> torch.Tensor:
     value = getattr(e, field)
-    if field in ("scores", "short"):
+    if field == "unterminated" and value is None:
+        return torch.zeros_like(e.short)
+    if field in ("scores", "short", "unterminated"):
         return value
     if field in ("sequences", "attention_mask"):  # left-pad prompts, right-pad responses
         left = prompt_width - e.prompt_width
@@ -338,36 +398,93 @@ def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> t
     return torch.nn.functional.pad(value, (0, response_width - value.shape[1]), value=0)
 
 
+def uses_rollout_logprobs(cfg: Config, dtype: str) -> bool:
+    """ppo.rollout_logprobs resolved: null takes the old log-probs from the sampling pass in fp32
+    only. In bf16 / fp16 the KV-cached decoding computes other logits than the update's full
+    forward, so the first ratio would not be 1 and the KL to the reference would get a floor.
+    Never with the hybrid engine: its inference kernels compute other logits again."""
+    if cfg.actor.hybrid_engine:
+        return False
+    if cfg.ppo.rollout_logprobs is None:
+        return dtype == "fp32"
+    return cfg.ppo.rollout_logprobs
+
+
+@dataclass
+class LogprobGap:
+    """How far the sampler's log-probs of the answer tokens are from the training forward's,
+    summed over the rollouts measured since the last :meth:`metrics`."""
+
+    total: float = 0.0
+    tokens: float = 0.0
+    largest: float = 0.0
+
+    def add(self, sampled: torch.Tensor, trained: torch.Tensor, mask: torch.Tensor) -> None:
+        """sampled, trained, mask: (B, R); mask True on the answer tokens."""
+        diff = (sampled.float().cpu() - trained.float().cpu()).abs()[mask.cpu().bool()]
+        self.total += diff.sum().item()
+        self.tokens += diff.numel()
+        self.largest = max(self.largest, diff.max().item() if diff.numel() else 0.0)
+
+    def metrics(self) -> dict[str, float]:
+        """Collective: ppo/logprob_diff_mean (per answer token) and ppo/logprob_diff_max over
+        every rank's tokens; then starts over."""
+        total, tokens = all_reduce_sum(self.total, self.tokens)
+        out = {
+            "ppo/logprob_diff_mean": total / max(tokens, 1.0),
+            "ppo/logprob_diff_max": max_over_ranks(self.largest),
+        }
+        self.total = self.tokens = self.largest = 0.0
+        return out
+
+
+@torch.no_grad()
+def trainer_logprobs(actor, exp: Experience, shaping: Shaping) -> torch.Tensor:
+    """(B, R) float32 log-probs of a rollout's answer tokens from the forward the update runs
+    (same kernels, logits precision, temperature and packing)."""
+    packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if shaping.packing else None
+    with eval_modules(actor):
+        logprobs, _ = response_logprobs(
+            actor,
+            exp.sequences,
+            exp.attention_mask,
+            exp.prompt_width - 1,
+            shaping.fp32_logits,
+            shaping.temperature,
+            packing,
+        )
+    return logprobs.float()
+
+
 @dataclass
 class Collector:
     """Rollouts of the actor for batches of prompts, scored by the four models into
-    Experiences; ``speed`` times the generation."""
+    Experiences; ``speed`` times the generation, ``gap`` sums the sampler / trainer log-prob
+    differences of the rollouts measured."""
 
     models: Models
     cfg: Config
     pad_id: int
     eot: int
     sampling: Sampling
+    rollout_logprobs: bool  # old log-probs from the sampling pass (uses_rollout_logprobs)
     speed: Throughput = field(default_factory=Throughput)
+    gap: LogprobGap = field(default_factory=LogprobGap)
 
-    def __call__(self, prompt_ids: list[list[int]], shaping: Shaping) -> Experience:
-        cfg, models = self.cfg, self.models
+    def __call__(
+        self, prompt_ids: list[list[int]], shaping: Shaping, measure_gap: bool = False
+    ) -> Experience:
+        """One generation batch scored. ``measure_gap``: also compare the sampler's log-probs
+        with the training forward's (a second actor forward when the rollout's are used)."""
+        models = self.models
         self.speed.start()
-        rollout = generate(
-            models.actor.module,
-            prompt_ids,
-            self.pad_id,
-            self.eot,
-            self.sampling,
-            synced_gpus=cfg.actor.zero.stage == 3 and world_size() > 1,
-            # the hybrid engine decodes with inference kernels whose logits differ slightly from
-            # the training forward's: recompute there, as DeepSpeed-Chat does
-            logprobs_temperature=shaping.temperature
-            if cfg.ppo.rollout_logprobs and not cfg.actor.hybrid_engine
-            else None,
-        )
+        record = self.rollout_logprobs or measure_gap
+        rollout = self.generate(prompt_ids, shaping.temperature if record else None)
         self.speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
-        return make_experience(
+        sampled = rollout.logprobs
+        if not self.rollout_logprobs:
+            rollout = rollout._replace(logprobs=None)  # make_experience recomputes them
+        exp = make_experience(
             rollout,
             models.actor,
             models.reference,
@@ -376,3 +493,28 @@ class Collector:
             shaping,
             model_device(models.actor),
         )
+        if measure_gap:
+            trained = exp.old_logprobs if rollout.logprobs is None else None
+            if trained is None:
+                trained = trainer_logprobs(models.actor, exp, shaping)
+            self.gap.add(sampled, trained, rollout.response_mask)
+        return exp
+
+    def generate(self, prompt_ids: list[list[int]], logprobs_temperature: float | None) -> Rollout:
+        """DeepSpeed-Chat's order: ``engine.eval()`` (the hybrid engine swaps in its inference
+        kernels and its generate) -> generate -> ``engine.train()`` (the training kernels back
+        before any log-prob, value or update). A plain engine only switches dropout."""
+        actor = self.models.actor
+        actor.eval()
+        try:
+            return generate(
+                actor.module,
+                prompt_ids,
+                self.pad_id,
+                self.eot,
+                self.sampling,
+                synced_gpus=self.cfg.actor.zero.stage == 3 and world_size() > 1,
+                logprobs_temperature=logprobs_temperature,
+            )
+        finally:
+            actor.train()

@@ -4,6 +4,8 @@ masks, and ZeRO-3-safe generation (every rank keeps stepping until all have fini
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,13 +62,16 @@ class Rollout(NamedTuple):
     prompt_width: P, the padded prompt width (responses start at column P).
     response_mask: (B, R) True on response tokens up to and including the first end-of-text.
     logprobs: (B, R) log p of each response token under the generating weights, from the logits
-        the sampling pass computed (None unless asked for)."""
+        the sampling pass computed (None unless asked for).
+    ended: (B,) True where the answer holds the end-of-text token; False where it was cut at
+        max_new_tokens (None: not recorded, every answer counts as ended)."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     prompt_width: int
     response_mask: torch.Tensor
     logprobs: torch.Tensor | None = None
+    ended: torch.Tensor | None = None
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -102,6 +107,23 @@ def response_mask(response_ids: torch.Tensor, end_id: int) -> torch.Tensor:
     is_end = response_ids == end_id
     ends_before = torch.cumsum(is_end.long(), dim=1) - is_end.long()
     return ends_before == 0
+
+
+@contextmanager
+def only_our_settings(model: torch.nn.Module) -> Iterator[None]:
+    """While inside, ``model.generate`` sees a default GenerationConfig instead of the one the
+    model was saved with. generate() fills every field our config leaves unset (transformers 5:
+    None; 4.50-4.57: equal to the global default) from the model's own: a hub chat model's
+    temperature, do_sample, repetition_penalty or min_new_tokens would otherwise change what
+    is sampled (the rollout's log-probs would not be those of the sampling distribution) and
+    make greedy evaluation sample."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
 
 
 @torch.no_grad()
@@ -147,13 +169,14 @@ def generate(
         recorder = (
             SampledLogprobs(logprobs_temperature) if logprobs_temperature is not None else None
         )
-        sequences = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=prompt_mask.to(device),
-            generation_config=config,
-            logits_processor=LogitsProcessorList([recorder] if recorder else []),
-            synced_gpus=synced_gpus,
-        )
+        with only_our_settings(model):
+            sequences = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=prompt_mask.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                synced_gpus=synced_gpus,
+            )
         logprobs = recorder.finish(sequences) if recorder else None
     model.train(was_training)
     logprobs = logprobs.cpu() if logprobs is not None else None
@@ -161,7 +184,8 @@ def generate(
     width = input_ids.shape[1]
     mask = response_mask(sequences[:, width:], end_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-    return Rollout(sequences, attention_mask, width, mask, logprobs)
+    ended = (sequences[:, width:] == end_id).any(dim=1)
+    return Rollout(sequences, attention_mask, width, mask, logprobs, ended)
 
 
 def sampling_warpers(sampling: Sampling) -> LogitsProcessorList:

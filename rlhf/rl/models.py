@@ -4,9 +4,11 @@ their ZeRO stage (or sit offloaded); and their save_pretrained exports."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.config import Config, ConfigError, RoleConfig
@@ -60,8 +62,13 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         cfg.actor,
         lambda ds: load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds),
     )
+    # rlhf.validate checks these from the config files; a hub model or step=all's exports are
+    # checked here, on the loaded model, before any engine exists
+    if cfg.actor.hybrid_engine and (problem := hybrid_engine_problem(type(actor))):
+        raise ConfigError(f"actor.hybrid_engine=true: {problem}")
     actor_config = actor.config
     actor = apply_lora(actor, cfg.actor.lora)
+    refuse_dropout("actor", actor)
     actor = initialize(
         actor, actor_conf, cfg.actor.optim, cfg.actor.lora, cfg.actor.zero.offload, updates
     )
@@ -78,6 +85,7 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         stats = read_stats(cfg.critic.model.path)
         scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
     critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
+    refuse_dropout("critic", critic)
     critic = initialize(
         critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
     )
@@ -129,13 +137,14 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_d
         extra_files={"reward_stats.json": stats} if stats else None,
     )
     if ema is not None:
+        state = ema.full_state()  # collective; rank 0's only (the others export nothing)
         export_pretrained(
             models.actor.module,
             cfg.actor.zero.stage,
             actor_copy,
             tokenizer,
             run_dir / "actor_ema",
-            state=ema.state_dict() or {},
+            state=state if state is not None else {},
         )
 
 
@@ -177,3 +186,116 @@ def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
 def max_new_tokens(cfg: Config) -> int:
     """ppo.max_new_tokens, or (0) what data.max_seq_len leaves after data.max_prompt_len."""
     return cfg.ppo.max_new_tokens or cfg.data.max_seq_len - cfg.data.max_prompt_len
+
+
+def end_of_text_problem(eot: int, stats: dict | None, critic_path: str, tokenizer) -> str | None:
+    """The reward model must score answers that end the way PPO ends them: the end-of-text
+    token its step-2 export recorded (reward_stats.json) must be the actor's ``eot``. None when
+    they agree or the export records none (a causal LM as critic, an older export)."""
+    trained = (stats or {}).get("end_of_text_id")
+    if trained is None or trained == eot:
+        return None
+
+    def named(token_id: int) -> str:
+        return f"{tokenizer.convert_ids_to_tokens(token_id)!r} (id {token_id})"
+
+    return (
+        f"critic.model.path={critic_path}: the reward model was trained on answers that end in "
+        f"{named(trained)}, but PPO ends the actor's answers with {named(eot)}, so it would be "
+        "scored at a token it never saw last; set actor.model.end_of_text_token to the reward "
+        "step's model.end_of_text_token (or train the reward model with the actor's)"
+    )
+
+
+def active_dropouts(module: torch.nn.Module) -> list[str]:
+    """Every dropout that acts in train mode: ``nn.Dropout`` modules with p > 0 (LoRA's among
+    them) and the float probabilities transformers' layers pass to functional dropout
+    (``dropout``, ``attention_dropout``, ``activation_dropout``, ``layerdrop``, ``*_pdrop``)."""
+    found = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            found.append(f"{name} (p={sub.p})")
+        for attr, value in vars(sub).items():
+            named_like = "dropout" in attr or "drop" in attr.split("_")[-1]
+            if named_like and isinstance(value, float) and value > 0:
+                found.append(f"{name}.{attr}={value}" if name else f"{attr}={value}")
+    return found
+
+
+def refuse_dropout(role: str, model: torch.nn.Module) -> None:
+    """PPO takes old log-probs and values in eval mode and updates in train mode: the two
+    compute the same function only when no dropout acts. A ConfigError naming them otherwise."""
+    found = active_dropouts(model)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ConfigError(
+            f"{role}: dropout is active in the trained model ({shown}); PPO's old log-probs and "
+            "values (eval mode) and its update (train mode) agree only without it. Set "
+            f"{role}.model.dropout=0.0 and {role}.lora.dropout=0.0 (a layerdrop must be 0 in "
+            "the model's config.json)"
+        )
+
+
+# Arguments that mark a transformers decoder layer taking a Cache object (4.38-4.57:
+# cache_position, later past_key_values; 5.x: cache). A lone past_key_value was the tuple
+# contract the kernels implement.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_position")
+
+
+def hybrid_engine_problem(lm_class: type, policies=None) -> str | None:
+    """Why DeepSpeed's hybrid engine cannot decode for ``lm_class`` (a causal LM class), or
+    None when it can. ``engine.eval()`` replaces each decoder layer that one of its injection
+    ``policies`` (default: the installed DeepSpeed's) names with an inference kernel that keeps
+    its own (key, value) tuple per layer and returns a (hidden, present) tuple. A layer whose
+    forward takes a Cache object and returns a tensor does not fit: generation would fail or
+    decode from a wrong cache. With no policy for the layers (or one DeepSpeed itself skips)
+    nothing is swapped: the flag would only add the engine's overhead."""
+    import deepspeed
+    import transformers
+    from deepspeed.module_inject.containers.opt import HFOPTLayerPolicy
+
+    if policies is None:
+        from deepspeed.module_inject.replace_policy import replace_policies as policies
+    layers = []
+    for policy in policies:
+        policy(None)  # DeepSpeed fills _orig_layer_class when a policy is first built
+        known = policy._orig_layer_class
+        for layer in known if isinstance(known, list) else [known]:
+            if layer is not None and layer.__module__ == lm_class.__module__:
+                layers.append((policy, layer))
+    versions = f"DeepSpeed {deepspeed.__version__} with transformers {transformers.__version__}"
+    if not layers:
+        return (
+            f"{versions} has no inference kernels for {lm_class.__name__}: the hybrid engine "
+            "would decode with the training forward and only add its overhead; set "
+            "actor.hybrid_engine=false"
+        )
+    for policy, layer in layers:
+        arguments = inspect.signature(layer.forward).parameters
+        cache = [a for a in CACHE_ARGUMENTS if a in arguments]
+        if policy is HFOPTLayerPolicy and {"cache_position", "past_key_values"} & set(cache):
+            return (
+                f"{versions} skips its {layer.__name__} kernels (the layer takes a Cache), so "
+                "the hybrid engine would change nothing; set actor.hybrid_engine=false"
+            )
+        if cache:
+            return (
+                f"{versions}: the hybrid engine would replace {layer.__name__} with an "
+                f"inference kernel that keeps a (key, value) tuple cache of its own and returns "
+                f"a tuple, but this {layer.__name__}.forward takes a Cache ({cache[0]}) and "
+                "returns a tensor, so generation would fail or decode wrongly; set "
+                "actor.hybrid_engine=false (or use versions whose layers take tuple caches)"
+            )
+    return None
+
+
+def causal_lm_class(config_json: dict) -> type | None:
+    """The transformers class a model directory's config.json loads as a causal LM, or None
+    when transformers has no such class (remote code)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = [a for a in config_json.get("architectures") or [] if a.endswith("ForCausalLM")]
+    names.append(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config_json.get("model_type"), ""))
+    classes = [getattr(transformers, n, None) for n in names if n]
+    return next((c for c in classes if c is not None), None)

@@ -18,7 +18,8 @@ from rlhf.engine import model_device
 class PTXBatches:
     """Unsupervised language modelling text for the PTX loss (a task's corpus, the toy task's
     statements on the embedded default, or a file), cycled in per_device_training_batch_size
-    chunks."""
+    chunks: the n-th batch of rank r starts at row (n x ranks + r) x size, so the ranks read
+    disjoint rows, and ``batches`` (the same on every rank) is all a resume needs."""
 
     def __init__(self, cfg: Config, tokenizer, eot: int):
         source = cfg.ppo.unsup_source
@@ -31,12 +32,16 @@ class PTXBatches:
         self.rows = [[*row, eot] for row in ids]
         self.size = cfg.ppo.per_device_training_batch_size
         self.pad_id = tokenizer.pad_token_id
-        self.position = rank() * self.size
+        self.batches = 0  # batches each rank has read
+
+    def next_rows(self) -> list[list[int]]:
+        """This rank's next batch of token id rows."""
+        start = (self.batches * world_size() + rank()) * self.size
+        self.batches += 1
+        return [self.rows[(start + i) % len(self.rows)] for i in range(self.size)]
 
     def loss(self, actor) -> torch.Tensor:
-        rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.size)]
-        self.position += self.size * world_size()
-        input_ids, attention_mask = right_pad(rows, self.pad_id)
+        input_ids, attention_mask = right_pad(self.next_rows(), self.pad_id)
         device = model_device(actor)
         logits = actor(
             input_ids=input_ids.to(device),
@@ -45,6 +50,12 @@ class PTXBatches:
         ).logits
         labels = torch.where(attention_mask.bool(), input_ids, -100).to(device)
         return algos.causal_lm_nll_sum(logits, labels) / max(int((labels[:, 1:] != -100).sum()), 1)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = int(state["batches"])
 
 
 def _read_texts(path: str, limit: int) -> list[str]:

@@ -19,14 +19,14 @@ from transformers import set_seed
 
 from rlhf import algos
 from rlhf.algos import token_loss_scale
-from rlhf.config import Config
+from rlhf.config import Config, ConfigError
 from rlhf.data.packing import pack_rows
 from rlhf.data.pipeline import phase_dataset
 from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
-from rlhf.models import end_of_text_id
+from rlhf.models import end_of_text_id, read_stats
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
@@ -37,12 +37,14 @@ from rlhf.rl.experience import (
     response_values,
     rollout_metrics,
     shaping,
+    uses_rollout_logprobs,
     whiten_advantages,
 )
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.models import (
     Models,
     build_models,
+    end_of_text_problem,
     export_models,
     load_tokenizer_pair,
     max_new_tokens,
@@ -64,6 +66,10 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 1. tokenizer (shared by all four models), prompts, PTX text, how scores are read
     tokenizer = load_tokenizer_pair(cfg)
     eot = end_of_text_id(cfg.actor.model, tokenizer)
+    if ppo.reward_function is None:  # the reward model must have learnt to score this ending
+        stats = read_stats(cfg.critic.model.path)
+        if problem := end_of_text_problem(eot, stats, cfg.critic.model.path, tokenizer):
+            raise ConfigError(problem)
     data = cfg.data
     if ppo.prompt_sources:  # DeepSpeed-Chat's recipe trains SFT on four sets, PPO on one
         data = replace(data, sources={k: data.sources[k] for k in ppo.prompt_sources})
@@ -90,12 +96,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. the four models
     models = build_models(cfg, tokenizer, dtype, updates)
-    models.actor.train()  # updates in train mode (PPO's default dropout is 0: see conf/step/ppo.yaml)
+    models.actor.train()  # updates in train mode (no dropout acts: build_models checks it)
     models.critic.train()
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl = kl_controller(ppo)
     collect = Collector(
-        models, cfg, tokenizer.pad_token_id, eot, rollout_sampling(cfg, max_new_tokens(cfg))
+        models,
+        cfg,
+        tokenizer.pad_token_id,
+        eot,
+        rollout_sampling(cfg, max_new_tokens(cfg)),
+        rollout_logprobs=uses_rollout_logprobs(cfg, dtype),
     )
     if ppo.drop_finished_rows and cfg.actor.zero.stage == 3 and world_size() > 1:
         log.info(
@@ -125,16 +136,16 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     if run.resumed:
         kl.load_state_dict(run.trainer["kl_controller"])
         evaluator.first, evaluator.warnings = run.trainer["evaluator"]
-        if ptx is not None:
-            ptx.position = run.trainer["ptx_position"]
-        if ema is not None:
-            ema.load_state_dict(run.trainer.get("ema"))
+        if ptx is not None:  # the same on every rank: each derives its own rows from it
+            ptx.load_state_dict(run.trainer["ptx"])
+        if ema is not None:  # each rank's slice from its own file
+            ema.load(run.resumed_from)
     run.extra_state = lambda: {
         "kl_controller": kl.state_dict(),
         "evaluator": (evaluator.first, evaluator.warnings),
-        "ptx_position": ptx.position if ptx is not None else 0,
-        "ema": ema.state_dict() if ema is not None else None,
+        "ptx": ptx.state_dict() if ptx is not None else None,
     }
+    run.extra_files = ema.save if ema is not None else None
     run.evaluate_first(evaluator, models)
 
     # 4. iterations: generate -> score -> advantages -> PPO epochs -> EMA, KL coefficient
@@ -142,10 +153,15 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     with run.training():
         while state.global_step < iterations:
             iteration_started = time.perf_counter()
-            rules = shaping(ppo, kl.value, score_position, reward_stats)
+            rules = shaping(cfg, kl.value, score_position, reward_stats)
             batches = plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+            # the same iterations on every rank (its metrics are collective); they line up with
+            # the logged rows when step.log_interval is a multiple of the interval
+            interval = ppo.logprob_gap_interval
+            measure_gap = interval > 0 and (state.global_step + 1) % interval == 0
             experiences = [
-                collect([prompts[i]["prompt_ids"] for i in rows], rules) for rows in batches
+                collect([prompts[i]["prompt_ids"] for i in rows], rules, measure_gap)
+                for rows in batches
             ]
             if ppo.whiten_advantages:
                 experiences = whiten_advantages(experiences)
@@ -160,6 +176,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
             metrics = {
                 **rollout_stats,
+                **(collect.gap.metrics() if measure_gap else {}),
                 **update_stats,
                 "ppo/kl_coef": kl.value,
                 "ppo/skipped_updates": run.guard.skipped,
@@ -289,7 +306,10 @@ def train_step(
             ppo.clip_range,
             ppo.dual_clip,
         )
-        entropy = algos.masked_mean(algos.entropy_from_logits(logits.float()), exp.response_mask)
+        # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
+        with torch.set_grad_enabled(ppo.entropy_coef > 0):
+            per_token = algos.entropy_from_logits(logits.float())
+            entropy = algos.masked_mean(per_token, exp.response_mask)
         loss = (actor_loss - ppo.entropy_coef * entropy) * n * scale
         if ptx is not None:
             unsup = ptx.loss(models.actor)
