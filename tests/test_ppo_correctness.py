@@ -52,14 +52,7 @@ from rlhf.rl.models import (
     refuse_dropout,
 )
 from rlhf.validate import dropout_problems
-from tests.conftest import (
-    FAST,
-    cache_overrides,
-    compose,
-    read_metrics,
-    read_summary,
-    run_rlhf,
-)
+from tests.conftest import compose, read_metrics
 
 register_configs()
 PAD, BOS, EOS = 0, 1, 2
@@ -513,93 +506,59 @@ def test_a_checkpoint_holds_the_recipes_own_files(tmp_path):
     assert "ema" not in torch.load(final / "trainer.pt", weights_only=True)
 
 
-# ---------------------------------------------------------------- 3, 4 end to end (slow)
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
-SMALL = [
-    *FAST,
-    "reward.gold_eval_prompts=8",
-    "ppo.per_device_generation_batch_size=8",
-    "ppo.per_device_training_batch_size=8",
-    "ppo.max_new_tokens=16",
-    "ppo.eval_prompts=8",
-    "ppo.eval_samples=1",
-]
+# ------------------------------------------- the GPU check's CPU-reachable part (slow)
+# tests/gpu/check.py --tiny, one check a test, on one bf16 pipeline: the script cannot rot, and
+# its ZeRO-3 run is this suite's 2-rank kill-and-resume test of the EMA and PTX (3, 4).
 
 
 @pytest.fixture(scope="module")
-def exports(cache_dir, tmp_path_factory) -> Path:
-    """SFT and reward exports to start PPO from (20 steps each: only determinism matters)."""
-    run_dir = tmp_path_factory.mktemp("exports")
-    overrides = ["step=all", *SMALL, "step.max_steps=20", *cache_overrides(cache_dir)]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
-    return run_dir
+def gpu_check(tmp_path_factory):
+    from tests.gpu import check
 
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(path / "model.safetensors")
+    s = check.setup(tmp_path_factory.mktemp("gpu-check"), tiny=True)
+    [row] = check.check_pipeline(s)
+    assert row.ok, row.measured
+    return check, s
 
 
 @pytest.mark.slow
-def test_two_rank_zero3_ppo_with_ema_and_ptx_resumes_to_the_uninterrupted_run(
-    exports, cache_dir, tmp_path
-):
+def test_gpu_check_hybrid_engine_rows(gpu_check):
+    check, s = gpu_check
+    off, on = check.check_hybrid_engine(s)
+    assert off.ok and on.ok, (off, on)
+    assert "refused (exit 2)" in on.measured and "GPUs only" in on.measured  # on CPU
+
+
+@pytest.mark.slow
+def test_gpu_check_logprob_gap_rows(gpu_check):
+    """bf16 on CPU: the sampler's log-probs differ from the training forward's, so the first
+    ratio is off 1 with them and exactly 1 with the default recompute."""
+    check, s = gpu_check
+    gap, recompute, sampler = check.check_logprob_gap(s)
+    assert gap.ok and recompute.ok and sampler.ok, (gap, recompute, sampler)
+    assert check.first(s.out / "hybrid-off", "ppo/ratio_max") == 1.0
+    assert check.first(s.out / "sampler-logprobs", "ppo/ratio_max") > 1.0
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_ppo_with_ema_and_ptx_resumes_to_the_uninterrupted_run(gpu_check):
     """ZeRO-3 on 2 ranks with EMA and PTX, killed after the checkpoint at step 3 and resumed:
     every logged row (ppo/unsup_loss sums both ranks' PTX rows, so a rank reading another's
-    rows would show), the summary and the EMA export equal the uninterrupted run's; each rank
-    checkpointed its own half of the EMA, and trainer.pt holds none of it."""
-    overrides = [
-        "step=ppo",
-        *SMALL,
-        f"actor.model.path={exports / 'sft' / 'model'}",
-        f"critic.model.path={exports / 'reward' / 'model'}",
-        "zero=stage3",
-        "ppo.ema=true",
-        "ppo.unsup_coef=1.0",
-        "ppo.logprob_gap_interval=2",
-        "step.max_steps=6",
-        "step.log_interval=1",
-        "step.checkpoint_interval=3",
-        *cache_overrides(cache_dir),
-    ]
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    run_rlhf(overrides, run_dir=reference, nproc=2, extra_env=ONE_THREAD)
-    killed = run_rlhf(
-        [*overrides, "debug.kill_at_step=3"], resumed, nproc=2, extra_env=ONE_THREAD, check=False
-    )
-    assert killed.returncode != 0
+    rows would show) and the EMA export equal the uninterrupted run's; each rank checkpointed
+    its own half of the EMA, and trainer.pt holds none of it, only the shared PTX counter."""
+    from safetensors.torch import load_file
 
-    checkpoint = resumed / "checkpoints" / "step-00000003"
+    check, s = gpu_check
+    [row] = check.check_zero3_resume(s)
+    assert row.ok, row.measured
+    checkpoint = s.out / "zero3-resumed" / "checkpoints" / "step-00000006"
     trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
-    assert "ema" not in trainer and trainer["ptx"] == {"batches": 3}
-    slices = [torch.load(checkpoint / f"ema-rank{r}.pt", weights_only=True) for r in (0, 1)]
-    actor = _weights(exports / "sft" / "model")
+    assert "ema" not in trainer and trainer["ptx"] == {"batches": 6}
+    actor = load_file(s.out / "pipeline" / "sft" / "model" / "model.safetensors")
     elements = sum(t.numel() for t in actor.values())
-    for part in slices:  # each rank holds half of the average (embeddings are tied: once)
+    for r in (0, 1):
+        part = torch.load(checkpoint / f"ema-rank{r}.pt", weights_only=True)
         held = sum(t.numel() for t in part.values())
-        assert elements / 2 <= held < elements / 2 + 2 * len(part)
-
-    run_rlhf(overrides, run_dir=resumed, nproc=2, extra_env=ONE_THREAD)
-
-    def rows(run_dir: Path) -> list[dict]:
-        return [
-            {k: v for k, v in row.items() if not k.startswith("perf/")}
-            for row in read_metrics(run_dir)
-        ]
-
-    expected = rows(reference)
-    assert [r["step"] for r in expected if "ppo/unsup_loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert any("ppo/logprob_diff_mean" in r for r in expected)
-    assert rows(resumed) == expected
-    summary, ref_summary = read_summary(resumed), read_summary(reference)
-    assert {k: v for k, v in summary.items() if not k.startswith("perf/")} == {
-        k: v for k, v in ref_summary.items() if not k.startswith("perf/")
-    }
-    ema, ref_ema = _weights(resumed / "actor_ema"), _weights(reference / "actor_ema")
-    assert ema.keys() == ref_ema.keys()
-    for name in ref_ema:
-        assert torch.equal(ema[name], ref_ema[name]), name
-    actor_export = _weights(reference / "actor")
-    assert any(not torch.equal(ref_ema[n], actor_export[n]) for n in ref_ema)  # an average
+        assert elements / 2 <= held < elements / 2 + 2 * len(part)  # half (embeddings tied)
+    rows = [r for r in read_metrics(s.out / "zero3-reference") if "ppo/unsup_loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
