@@ -54,7 +54,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
             user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
             composed = pipeline.compose_steps(config, user, hydra_cfg.job.config_name, info_dir)
-            produced = pipeline.exports(info_dir)
+            produced = pipeline.exports(info_dir, composed)
             steps = {name: (validated(c, produced), _resolved(c)) for name, c in composed.items()}
         for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
             check_launch(step_config)
@@ -81,10 +81,8 @@ def run_step(
     """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``)."""
     from rlhf import dist, engine
     from rlhf.steps import all as pipeline
-    from rlhf.steps import ppo, reward, sft
     from rlhf.steps.loop import RunInfo, TrainingStopped
 
-    recipes = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run}
     info = RunInfo(run_dir, run_name, group, resolved)
     try:
         device = engine.device_type(config.device)
@@ -93,7 +91,7 @@ def run_step(
         if steps is not None:
             summary = pipeline.run(steps, info)
         else:
-            summary = recipes[config.step.name](config, info)
+            summary = pipeline.RECIPES[config.step.name](config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
     except TrainingStopped as stopped:

@@ -23,7 +23,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-STEPS = ("sft", "reward", "ppo", "all")
+STEPS = ("sft", "reward", "ppo", "dpo", "all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 SCHEDULERS = (
     "linear",
@@ -64,7 +64,7 @@ class ConfigError(ValueError):
 class StepConfig:
     """What runs, and the training loop's cadence."""
 
-    name: str = "all"  # sft | reward | ppo | all
+    name: str = "all"  # sft | reward | ppo | dpo | all
     eval_interval: int = 0  # optimizer steps between evaluations; 0: at the end of each epoch
     eval_at_start: bool = True  # evaluate the untrained model first (the 'before' figures)
     log_interval: int = 10  # optimizer steps between metrics.jsonl / tracker rows
@@ -582,13 +582,83 @@ class PPOConfig:
         return out
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
+LOGPROB_REDUCTIONS = ("sum", "mean")
+
+
+@dataclass
+class DPOConfig:
+    """step=dpo: the SFT export (model.path) trained on the reward phase's preference pairs
+    against a frozen copy of itself, the reference (simpo needs none). Batches, epochs and the
+    optimizer are optim's. Held-out answers are drawn as PPO's evaluation draws them
+    (ppo.eval_prompts, eval_samples, eval_greedy, temperature, top_p, top_k, max_new_tokens,
+    kl_estimator, on the PPO phase's held-out prompts), so both report eval/gold_accuracy and
+    eval/kl alike."""
+
+    # sigmoid: DPO (with label_smoothing > 0: cDPO) | ipo | hinge (SLiC) | simpo (reference-free,
+    # length-normalised, with a target margin)
+    loss: str = "sigmoid"
+    # scale of the implicit reward beta x log(pi / ref); larger keeps the policy nearer the
+    # reference (DPO's papers: 0.1 to 0.5; simpo, on length-normalised log-probs: 2 to 10)
+    beta: float = 0.1
+    # sigmoid, simpo: the assumed share of flipped preference labels (cDPO), in [0, 0.5)
+    label_smoothing: float = 0.0
+    # sigmoid, simpo: subtracted from beta x the log-ratio gap inside the sigmoid (simpo's gamma)
+    margin: float = 0.0
+    # an answer's log-prob: sum over its tokens | mean per token; null: the loss's own (mean for
+    # ipo and simpo, sum for sigmoid and hinge)
+    reduction: str | None = None
+    offload_reference: bool = False  # keep the reference's parameters on CPU (ZeRO-3 offload)
+
+    @property
+    def logprob_reduction(self) -> str:
+        """reduction, resolved: null is mean for ipo and simpo, sum otherwise."""
+        if self.reduction is not None:
+            return self.reduction
+        return "mean" if self.loss in ("ipo", "simpo") else "sum"
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.loss not in DPO_LOSSES:
+            out.append(("loss", self.loss, f"one of {', '.join(DPO_LOSSES)}"))
+        if self.beta <= 0:
+            out.append(("beta", self.beta, "a float > 0"))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            out.append(("label_smoothing", self.label_smoothing, "a float in [0, 0.5)"))
+        if self.margin < 0:
+            out.append(("margin", self.margin, "a float >= 0"))
+        if self.loss in ("ipo", "hinge"):
+            for key in ("label_smoothing", "margin"):
+                if getattr(self, key) != 0:
+                    accepted = f"0.0 with loss={self.loss} (sigmoid and simpo take it)"
+                    out.append((key, getattr(self, key), accepted))
+        if self.reduction is not None and self.reduction not in LOGPROB_REDUCTIONS:
+            accepted = f"null or one of {', '.join(LOGPROB_REDUCTIONS)}"
+            out.append(("reduction", self.reduction, accepted))
+        return out
+
+
+# the pipelines step=all runs (an algo=... option picks one); with ppo.reward_function set no
+# reward model is trained, so sft -> reward -> ppo runs as sft -> ppo
+PIPELINES = (("sft", "reward", "ppo"), ("sft", "dpo"))
+
+
 @dataclass
 class PipelineConfig:
-    """step=all: SFT -> reward -> PPO in <run_dir>/{sft,reward,ppo}."""
+    """step=all: the chosen algorithm's steps (algo=ppo: SFT -> reward -> PPO; algo=dpo: SFT ->
+    DPO), each a sub-run in <run_dir>/<step>."""
+
+    # the steps of step=all, in order (the algo group sets them): [sft, reward, ppo] | [sft, dpo]
+    steps: list[str] = field(default_factory=lambda: ["sft", "reward", "ppo"])
 
     # InstructGPT initialises the reward model from the SFT model; DeepSpeed-Chat from a base
     # model (its recipe sets this false and picks OPT-350M).
     reward_from_sft: bool = True
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        if tuple(self.steps) in PIPELINES:
+            return []
+        return [("steps", list(self.steps), " or ".join(f"[{', '.join(p)}]" for p in PIPELINES))]
 
 
 @dataclass
@@ -612,6 +682,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     actor: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -641,6 +712,8 @@ class Config:
             out.append(("critic.hybrid_engine", True, "false (the hybrid engine generates)"))
         if self.reward.share_prompt and self.data.pad_to_max_len:
             out.append(("reward.share_prompt", True, "false with data.pad_to_max_len=true"))
+        if self.step.name == "dpo" and self.model.path is None:
+            out.append(("model.path", None, "the SFT export (RUN/sft/model), or run algo=dpo"))
         if self.step.name == "ppo":
             for role in ("actor", "critic"):
                 if getattr(self, role).model.path is None:

@@ -1,6 +1,7 @@
 """Held-out evaluation of each step: SFT perplexity and gold accuracy of greedy answers, the
 reward model's pair accuracy and score statistics, PPO's reward, KL and gold accuracy, greedy
-and sampled. Every evaluator shards its rows over the ranks with the same number of batches on
+and sampled; DPO's loss and implicit rewards on held-out pairs, its KL and gold accuracy as PPO
+reports them. Every evaluator shards its rows over the ranks with the same number of batches on
 each (ZeRO-3 gathers collectively).
 
 Gold metrics exist wherever the data names a task (rlhf.tasks): ``eval/gold_accuracy`` counts
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf import algos, tasks
-from rlhf.config import Config, ConfigError
+from rlhf.config import Config, ConfigError, DPOConfig
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
 from rlhf.data.pipeline import TASK
 from rlhf.data.sampling import eval_shards
@@ -391,3 +392,173 @@ def _correlation(xs: list[float], ys: list[float]) -> float:
     if len(pairs) < 2 or x.std() == 0 or y.std() == 0:
         return math.nan
     return torch.corrcoef(torch.stack([x, y]))[0, 1].item()
+
+
+# ---------------------------------------------------------------- DPO
+
+# per-pair statistics of a preference loss: dpo/<name> in training, eval/<name> held out
+PREFERENCE_STATS = (
+    "loss",
+    "accuracy",  # implicit-reward accuracy: the chosen answer's reward above the rejected one's
+    "margin",  # chosen - rejected implicit reward
+    "chosen_reward",  # beta x the chosen answer's log-ratio (simpo: its mean log-prob)
+    "rejected_reward",
+    "chosen_logprob",  # the policy's log-prob of the answer (dpo.reduction: summed or per token)
+    "rejected_logprob",
+)
+
+
+def answer_logprobs(model, batch: dict, reduction: str, fp32: bool = False) -> torch.Tensor:
+    """(2B,) log-probs of a ``pair_batch``'s answers (chosen rows first) under ``model``, a
+    DeepSpeed engine or a plain module, from one forward pass over both answers."""
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)
+    logits = model(
+        input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False
+    ).logits
+    response_mask = batch["response_mask"].to(device)
+    return algos.sequence_logprobs(
+        logits.float() if fp32 else logits, input_ids, response_mask, reduction
+    )
+
+
+def preference_terms(
+    dpo: DPOConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Each PREFERENCE_STATS entry per pair, (B,), from the policy's (2B,) answer log-probs and
+    the reference's (None: a reference-free loss). Only ``loss`` carries gradients."""
+    ratios = logprobs if ref_logprobs is None else logprobs - ref_logprobs
+    chosen, rejected = ratios.chunk(2)
+    loss = algos.PREFERENCE_LOSSES[dpo.loss](
+        chosen, rejected, dpo.beta, dpo.label_smoothing, dpo.margin
+    )
+    chosen_reward, rejected_reward = dpo.beta * chosen.detach(), dpo.beta * rejected.detach()
+    chosen_logprob, rejected_logprob = logprobs.detach().chunk(2)
+    return {
+        "loss": loss,
+        "accuracy": (chosen_reward > rejected_reward).float(),
+        "margin": chosen_reward - rejected_reward,
+        "chosen_reward": chosen_reward,
+        "rejected_reward": rejected_reward,
+        "chosen_logprob": chosen_logprob,
+        "rejected_logprob": rejected_logprob,
+    }
+
+
+def preference_sums(
+    terms: dict[str, torch.Tensor], keep: torch.Tensor | None = None
+) -> list[float]:
+    """[pairs, then each PREFERENCE_STATS entry summed over the pairs ``keep`` marks (default:
+    all)] (summed over ranks by :func:`preference_metrics`)."""
+    if keep is None:
+        keep = torch.ones_like(terms["loss"], dtype=torch.bool)
+    keep = keep.to(terms["loss"].device)
+    return [float(keep.sum())] + [terms[k].detach()[keep].sum().item() for k in PREFERENCE_STATS]
+
+
+def preference_metrics(sums: list[float], prefix: str) -> dict[str, float]:
+    """``prefix``<stat>: each PREFERENCE_STATS entry's mean over all ranks' pairs."""
+    pairs, *totals = all_reduce_sum(*sums)
+    return {f"{prefix}{k}": total / max(pairs, 1.0) for k, total in zip(PREFERENCE_STATS, totals)}
+
+
+class DPOEvaluator:
+    """On the reward phase's held-out pairs: eval/loss, eval/accuracy (implicit reward),
+    eval/margin, the implicit rewards and the log-probs of chosen and rejected answers. On
+    held-out prompts (those PPO is evaluated on), answers drawn as PPO's evaluator draws them:
+    greedy (ppo.eval_greedy) for eval/response_length and, where the prompts have a checker,
+    eval/gold_accuracy and its halves; ppo.eval_samples sampled answers a prompt at
+    ppo.temperature for eval/gold_accuracy_sampled (and halves) and, with a reference, eval/kl
+    (ppo.kl_estimator summed over an answer, at the temperature it was drawn at)."""
+
+    sample_columns = ("prompt", "answer", "gold")
+
+    def __init__(self, cfg: Config, tokenizer, pairs, prompts, eot: int):
+        self.cfg, self.tokenizer, self.pairs, self.eot = cfg, tokenizer, pairs, eot
+        ppo = cfg.ppo
+        gold = checkable_rows(prompts, ppo.eval_prompts)
+        self.rows = gold or rows_at(prompts, list(range(min(ppo.eval_prompts, len(prompts)))))
+        self.checkable = bool(gold)
+        common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
+        self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
+        self.sampled = Sampling(max_new_tokens(cfg), greedy=False, **common)
+        self.samples: list[list] = []
+
+    @torch.no_grad()
+    def __call__(self, engine, reference) -> dict[str, float]:
+        engine.eval()
+        metrics = self.pair_metrics(engine, reference)
+        greedy = self._answers(engine, reference, self.greedy, self.rows)
+        sampled = self._answers(
+            engine, reference, self.sampled, repeated(self.rows, self.cfg.ppo.eval_samples)
+        )
+        metrics["eval/response_length"] = _mean(greedy["length"])
+        if reference is not None:
+            metrics["eval/kl"] = _mean(sampled["kl"])
+        if self.checkable:
+            metrics.update(gold_metrics(gold_sums(greedy["grade"])))
+            metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
+        engine.train()
+        return metrics
+
+    def pair_metrics(self, engine, reference) -> dict[str, float]:
+        dpo, sums = self.cfg.dpo, None
+        for indices, valid in eval_shards(
+            len(self.pairs), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
+        ):
+            batch = pair_batch(rows_at(self.pairs, indices), self.tokenizer.pad_token_id)
+            logprobs = answer_logprobs(engine, batch, dpo.logprob_reduction, fp32=True)
+            ref_logprobs = None
+            if reference is not None:
+                ref_logprobs = answer_logprobs(reference, batch, dpo.logprob_reduction, fp32=True)
+            batch_sums = preference_sums(
+                preference_terms(dpo, logprobs, ref_logprobs), torch.tensor(valid)
+            )
+            sums = batch_sums if sums is None else [a + b for a, b in zip(sums, batch_sums)]
+        return preference_metrics(sums, "eval/")
+
+    def _answers(self, engine, reference, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
+        """This rank's answers to its shard of ``rows``: the length, grade and KL of each."""
+        synced = self.cfg.zero.stage == 3 and world_size() > 1
+        out: dict[str, list] = {"length": [], "grade": [], "kl": []}
+        for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+            batch = [rows[i] for i in indices]
+            rollout = generate(
+                engine.module,
+                [r["prompt_ids"] for r in batch],
+                self.tokenizer.pad_token_id,
+                self.eot,
+                sampling,
+                synced,
+            )
+            answers = decode_responses(self.tokenizer, rollout)
+            grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
+            lengths = rollout.response_mask.sum(1).tolist()
+            with_kl = reference is not None and sampling is self.sampled
+            kl = self._kl(engine, reference, rollout, sampling) if with_kl else None
+            for i in (i for i, ok in enumerate(valid) if ok):
+                out["length"].append(lengths[i])
+                out["grade"].append(grades[i])
+                out["kl"].append(kl[i].item() if kl is not None else math.nan)
+            if sampling is self.greedy:
+                self.samples = [
+                    [r["prompt"], a, bool(g and g.passed)]
+                    for r, a, g in zip(batch[:4], answers[:4], grades[:4])
+                ]
+        return out
+
+    def _kl(self, engine, reference, rollout: Rollout, sampling: Sampling) -> torch.Tensor:
+        """(B,) KL estimates to the reference summed over each answer, under the temperature
+        the answers were drawn at (as PPO's evaluator measures eval/kl)."""
+        device = model_device(engine)
+        sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
+        start = rollout.prompt_width - 1
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        logprobs, _ = response_logprobs(engine, sequences, mask, start, temperature=temperature)
+        ref_logprobs, _ = response_logprobs(
+            reference, sequences, mask, start, temperature=temperature
+        )
+        per_token = algos.kl_penalty(
+            logprobs.float(), ref_logprobs.float(), self.cfg.ppo.kl_estimator
+        )
+        return algos.masked_sum(per_token, rollout.response_mask.to(device), dim=1).cpu()

@@ -68,6 +68,9 @@ def models_to_check(config: Config) -> list[ModelToCheck]:
     if step in ("sft", "all") and config.model.path is not None:
         need = "step=sft trains a causal LM: give a base model or an SFT export"
         out.append(ModelToCheck("model.path", config.model.path, CAUSAL, config.model, need))
+    if step == "dpo":
+        need = "step=dpo trains a causal LM against a frozen copy of it: give the SFT export"
+        out.append(ModelToCheck("model.path", config.model.path, CAUSAL, config.model, need))
     if step == "reward":
         if config.model.path is not None:
             out.append(ModelToCheck("model.path", config.model.path, VALUE, config.model))

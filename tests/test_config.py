@@ -51,6 +51,8 @@ def test_every_option_composes_and_validates(group, option, local_file):
     if (group, option) == ("step", "ppo"):  # PPO starts from the SFT and reward exports
         model_dir = local_file.parent
         overrides += [f"actor.model.path={model_dir}", f"critic.model.path={model_dir}"]
+    if (group, option) == ("step", "dpo"):  # DPO starts from the SFT export
+        overrides.append(f"model.path={local_file.parent}")
     cfg = compose(overrides)
     validated(cfg)  # raises ConfigError on any problem
     path = CONF_DIR / group / f"{option}.yaml"
@@ -61,7 +63,8 @@ def test_every_option_composes_and_validates(group, option, local_file):
 def test_design_groups_have_their_options():
     """The options DESIGN.md promises."""
     promised = {
-        "step": "sft reward ppo all",
+        "step": "sft reward ppo dpo all",
+        "algo": "ppo dpo",  # the critic-free ones join later
         "model": "tiny opt-125m opt-350m opt-1.3b opt-6.7b opt-13b opt-66b llama-2-7b",
         "data": "toy rm-static full-hh-rlhf synthetic-instruct-gptj-pairwise rlhf-reward-datasets "
         "webgpt-comparisons shp local",
@@ -281,13 +284,14 @@ def test_every_key_has_a_meaning_and_the_reference_is_current():
     )
 
 
-@pytest.mark.parametrize("group", ["optim", "ppo", "step"])
+@pytest.mark.parametrize("group", ["optim", "ppo", "step", "algo"])
 def test_step_and_default_options_restate_no_schema_default(group):
     """A YAML value equal to the dataclass default would be a second source of it."""
     defaults = OmegaConf.structured(Config)
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         values = OmegaConf.load(path)
-        node = values if group == "step" else OmegaConf.create({group: values})
+        global_package = group in ("step", "algo")  # their files set keys of several nodes
+        node = values if global_package else OmegaConf.create({group: values})
         for key in _leaf_keys(node):
             if key in ("step.name",):
                 continue
@@ -303,6 +307,7 @@ def test_a_plain_run_uses_the_schema_defaults():
         "sft": {"step.name"},
         "reward": {"step.name", "optim.lr"},
         "ppo": {"step.name", "step.eval_interval"},
+        "dpo": {"step.name", "optim.lr", "model.dropout"},
         "all": set(),
     }
     data_option = {"data.sources", "data.max_seq_len", "data.max_prompt_len", "data.max_eval_rows"}
@@ -322,7 +327,7 @@ def test_help_prints_each_key_with_its_composed_value_and_meaning():
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("ppo.kl_coef="))
     assert "ppo.kl_coef=0.3" in line and "KL penalty" in line
-    assert "step: all, ppo, reward, sft" in proc.stdout
+    assert "step: all, dpo, ppo, reward, sft" in proc.stdout
 
 
 def _leaf_keys(node, prefix: str = "") -> list[str]:

@@ -1,8 +1,9 @@
-"""step=all: SFT -> reward -> PPO, each a sub-run in <run_dir>/{sft,reward,ppo} reading the
-previous step's exports. Each step's config is composed anew from the same command-line
-overrides with ``step=<name>``, so step-specific defaults (conf/step/*.yaml, an experiment's
-per-step file) apply exactly as in a single-step run; every step's config is composed (and,
-by the entry point, validated) before the first one runs. Re-running in the same run dir
+"""step=all: the chosen algorithm's pipeline (``pipeline.steps``; algo=ppo: SFT -> reward -> PPO,
+algo=dpo: SFT -> DPO), each step a sub-run in <run_dir>/<step> reading the previous step's
+exports. Each step's config is composed anew from the same command-line overrides with
+``step=<name>``, so step-specific defaults (conf/step/*.yaml, an experiment's per-step file)
+apply exactly as in a single-step run; every step's config is composed (and, by the entry
+point, validated) before the first one runs. Re-running in the same run dir
 (``hydra.run.dir=...``) skips the steps whose outputs are complete.
 
 With ``ppo.reward_function`` set no reward model is used, so none is trained: the pipeline is
@@ -19,19 +20,20 @@ from omegaconf import DictConfig
 
 from rlhf.config import Config
 from rlhf.dist import is_main
-from rlhf.steps import ppo, reward, sft
+from rlhf.steps import dpo, ppo, reward, sft
 from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain
 
 log = logging.getLogger(__name__)
 
-RECIPES = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run}
-EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor", "critic")}
+RECIPES = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run, "dpo": dpo.run}
+EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor", "critic"), "dpo": ("model",)}
 
 
-def pipeline(uses_reward_model: bool) -> tuple[str, ...]:
-    """The steps of step=all, in order."""
-    return ("sft", "reward", "ppo") if uses_reward_model else ("sft", "ppo")
+def pipeline(steps: list[str], uses_reward_model: bool) -> tuple[str, ...]:
+    """The steps of step=all, in order: ``steps`` (pipeline.steps) less the reward model's when
+    PPO uses none."""
+    return tuple(step for step in steps if step != "reward" or uses_reward_model)
 
 
 def step_overrides(step: str, run_dir: Path, reward_from_sft: bool, with_reward: bool) -> list[str]:
@@ -42,6 +44,8 @@ def step_overrides(step: str, run_dir: Path, reward_from_sft: bool, with_reward:
     if step == "ppo":
         critic = run_dir / "reward" / "model" if with_reward else sft_model
         return [f"actor.model.path={sft_model}", f"critic.model.path={critic}"]
+    if step == "dpo":  # the policy and its reference
+        return [f"model.path={sft_model}"]
     return []
 
 
@@ -54,18 +58,19 @@ def compose_steps(
     def composed(step: str, extra: list[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=[*user_overrides, f"step={step}", *extra])
 
-    with_reward = composed("ppo", []).ppo.reward_function is None
+    steps = config.pipeline.steps
+    with_reward = "ppo" in steps and composed("ppo", []).ppo.reward_function is None
     return {
         step: composed(
             step, step_overrides(step, run_dir, config.pipeline.reward_from_sft, with_reward)
         )
-        for step in pipeline(with_reward)
+        for step in pipeline(steps, with_reward)
     }
 
 
-def exports(run_dir: Path) -> tuple[Path, ...]:
-    """The directories the pipeline's steps export (later steps read them)."""
-    return tuple(run_dir / step / name for step, names in EXPORTS.items() for name in names)
+def exports(run_dir: Path, steps=tuple(EXPORTS)) -> tuple[Path, ...]:
+    """The directories ``steps`` export (later steps read them)."""
+    return tuple(run_dir / step / name for step in steps for name in EXPORTS[step])
 
 
 def is_complete(step_dir: Path, step: str) -> bool:
@@ -77,7 +82,7 @@ def is_complete(step_dir: Path, step: str) -> bool:
 
 def run(steps: dict[str, tuple[Config, dict]], info: RunInfo) -> dict[str, float]:
     """Run the pipeline: ``steps`` maps each step to its typed and resolved config."""
-    if "reward" not in steps:
+    if "ppo" in steps and "reward" not in steps:
         log.info("step=all: ppo.reward_function is set, so no reward model is trained (sft -> ppo)")
     group = info.group or info.run_dir.name
     summary: dict[str, float] = {}
