@@ -20,6 +20,7 @@ The 2-rank ZeRO-3 kill-and-resume run with EMA and PTX is marked slow.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -562,3 +563,33 @@ def test_two_rank_zero3_ppo_with_ema_and_ptx_resumes_to_the_uninterrupted_run(gp
         assert elements / 2 <= held < elements / 2 + 2 * len(part)  # half (embeddings tied)
     rows = [r for r in read_metrics(s.out / "zero3-reference") if "ppo/unsup_loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_launch_refuses_lora_dropout_and_a_reward_model_with_another_end_token(tmp_path):
+    """The checks run from the config and the model directories, before any model is built."""
+    import shutil
+
+    from rlhf.models import tiny_model_dir
+    from rlhf.validate import check_launch
+
+    actor = tiny_model_dir(ModelConfig(), str(tmp_path / "cache"))
+    critic = tmp_path / "reward"
+    shutil.copytree(actor, critic)
+    stats = {"mean": 0.0, "std": 1.0, "score_position": "last", "end_of_text_id": 5}
+    (critic / "reward_stats.json").write_text(json.dumps(stats))
+
+    def launch(*overrides):
+        paths = [f"actor.model.path={actor}", f"critic.model.path={critic}"]
+        check_launch(to_config(compose(["step=ppo", *paths, *overrides])))
+
+    with pytest.raises(ConfigError, match=r"critic.model.path=.*reward: the reward model was"):
+        launch()
+    stats["end_of_text_id"] = 2  # the tiny tokenizer's </s>
+    (critic / "reward_stats.json").write_text(json.dumps(stats))
+    launch()  # agrees: no error
+    with pytest.raises(ConfigError, match=r"^actor.lora.dropout=0.1: expected 0.0"):
+        launch("actor.lora.rank=8", "actor.lora.dropout=0.1")
+    with pytest.raises(ConfigError, match=r"critic.model.dropout=None keeps .*dropout=0.1"):
+        config = json.loads((critic / "config.json").read_text())
+        (critic / "config.json").write_text(json.dumps({**config, "dropout": 0.1}))
+        launch("critic.model.dropout=null")
