@@ -19,8 +19,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config, ConfigError, register_configs
-from rlhf.validate import check_launch, validated
+from rlhf.config import Config, ConfigError, register_configs, unknown_key
+from rlhf.validate import (
+    check_launch,
+    fit_lengths,
+    positions,
+    ppo_model_value_problems,
+    raise_problems,
+    resume_problem,
+    validated,
+)
 
 # The recipes (and torch, DeepSpeed, transformers behind them) are imported once the config is
 # valid, so a bad value is reported in about a second.
@@ -34,6 +42,7 @@ def main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         print_help([a for a in sys.argv[1:] if not a.startswith("-")])
         return
+    _refuse_unknown_keys(sys.argv[1:])
     _accept_local_rank_flag()
     _share_run_time()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
@@ -47,6 +56,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     info_dir = None
     try:
         config = validated(cfg)
+        known = positions(config)  # step=all: the SFT model's, which the later models share
+        fitted = fit_lengths(cfg, config, known)
         info_dir = Path(config.run_dir or hydra_cfg.runtime.output_dir)
         steps = None
         if config.step.name == "all":
@@ -55,15 +66,58 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
             composed = pipeline.compose_steps(config, user, hydra_cfg.job.config_name, info_dir)
             produced = pipeline.exports(info_dir, composed)
-            steps = {name: (validated(c, produced), _resolved(c)) for name, c in composed.items()}
+            steps = {name: _step_config(c, produced, known) for name, c in composed.items()}
         for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
             check_launch(step_config)
+        _check_before_writing(config, steps, info_dir, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         _fail(err)
+    _save_hydra_files(cfg)
+    for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
+        log.warning(line)
     group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None
     return run_step(
         config, info_dir, hydra_cfg.job.override_dirname or "default", group, _resolved(cfg), steps
     )
+
+
+def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Config, dict]:
+    """A step of step=all, typed and resolved, its lengths cut as the whole pipeline's."""
+    config = validated(cfg, produced)
+    here = positions(config)
+    fit_lengths(cfg, config, min(k for k in (known, here) if k) if known or here else None)
+    return config, _resolved(cfg)
+
+
+def _check_before_writing(
+    config: Config, steps: dict | None, run_dir: Path, overrides: list[str]
+) -> None:
+    """Top-level model values step=ppo would not read, and resume=auto into a run directory
+    another config's checkpoints are in (step=all: each step's own directory)."""
+    raise_problems(ppo_model_value_problems(config.step.name, overrides), "step=ppo")
+    runs = (
+        [(config, run_dir)] if steps is None else [(c, run_dir / n) for n, (c, _) in steps.items()]
+    )
+    for step_config, step_dir in runs:
+        raise_problems([p for p in [resume_problem(step_config, step_dir)] if p], "resume")
+
+
+HYDRA_SUBDIR = ".hydra"
+
+
+def _save_hydra_files(cfg: DictConfig) -> None:
+    """Hydra's record of the run (config, hydra and overrides YAML), written by rank 0 once the
+    config is accepted. Hydra's own writing, before any check, is off (hydra.output_subdir:
+    null in conf/config.yaml): a refused command must not overwrite a run's record."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return
+    from hydra.core.utils import _save_config
+
+    hydra_cfg = HydraConfig.instance().cfg
+    out = Path(hydra_cfg.hydra.runtime.output_dir) / HYDRA_SUBDIR
+    _save_config(cfg, "config.yaml", out)
+    _save_config(hydra_cfg, "hydra.yaml", out)
+    _save_config(hydra_cfg.hydra.overrides.task, "overrides.yaml", out)
 
 
 def _resolved(cfg: DictConfig) -> dict:
@@ -121,6 +175,50 @@ def print_help(overrides: list[str]) -> None:
 def _fail(err: ConfigError) -> None:
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
+
+
+def _refuse_unknown_keys(args: list[str]) -> None:
+    """An override of a key the schema does not know, with or without "+", is an error naming
+    the closest known key. Checked before Hydra, whose own message for such a key says to add
+    "+", after which the key would be silently dropped."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    try:
+        overrides = OverridesParser.create().parse_overrides(parsed.overrides)
+    except HydraException:
+        return  # a syntax error: Hydra reports it itself
+    groups = _config_groups(parsed.config_dir)
+    problems = [
+        f"{o.input_line}: {unknown_key(o.key_or_group)}"
+        for o in overrides
+        if not _is_group_or_hydra(o, groups) and unknown_key(o.key_or_group)
+    ]
+    if len(problems) == 1:
+        _fail(ConfigError(problems[0]))
+    if problems:
+        _fail(ConfigError("unknown keys:\n  " + "\n  ".join(problems)))
+
+
+def _is_group_or_hydra(override, groups: set[str]) -> bool:
+    key = override.key_or_group
+    return (
+        key.startswith("hydra")
+        or override.package is not None
+        or "/" in key
+        or override.is_delete()
+        or ("." not in key and key in groups)
+    )
+
+
+def _config_groups(config_dir: str | None) -> set[str]:
+    """The config group names of conf/ and of a -cd directory (sweeps/ has its own)."""
+    from rlhf.help import CONF_DIR
+
+    dirs = [Path(CONF_DIR), *([Path(config_dir)] if config_dir else [])]
+    return {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()}
 
 
 def _accept_local_rank_flag() -> None:

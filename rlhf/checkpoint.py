@@ -4,11 +4,17 @@ A checkpoint holds each DeepSpeed engine's own checkpoint (model, optimizer, sch
 partitions), every rank's RNG state, and ``trainer.pt``: the loop position, metric windows,
 tracker state (the W&B run id) and step-specific state (KL controller, EMA, ...). It is written
 into a hidden temporary directory and renamed into place once complete, so a crash or a full
-disk mid-write leaves the previous checkpoint intact; only the last ``keep`` are kept.
+disk mid-write leaves the previous checkpoint intact (a full disk is reported as such, with the
+space needed); only the last ``keep`` are kept.
+
+Each checkpoint also keeps the config it was made under (``config.json``): ``resume=auto``
+continues only a run of the same config (:func:`resume_problem` lists what differs), so a
+command pointed at someone else's run directory does not train on and overwrite that run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -23,10 +29,38 @@ import torch
 
 from rlhf.config import ConfigError
 from rlhf.dist import barrier, is_main, rank, world_size
+from rlhf.files import dir_size, no_space_message, out_of_space
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
+CONFIG_FILE = "config.json"  # in each checkpoint: the config it was made under
+# what a resumed run may change: where files go, how often it logs, evaluates and checkpoints,
+# what its evaluations sample, injected faults, the resume mode ("ppo.eval_": every ppo.eval_*)
+RESUMABLE = (
+    "logger",
+    "debug",
+    "resume",
+    "run_dir",
+    "cache_dir",
+    "device",
+    "data.cache_dir",
+    "data.max_eval_rows",
+    "step.eval_interval",
+    "step.eval_at_start",
+    "step.log_interval",
+    "step.checkpoint_interval",
+    "step.keep_checkpoints",
+    "step.max_nonfinite_steps",
+    "step.save_model",
+    "sft.gold_eval_prompts",
+    "sft.gen_max_new_tokens",
+    "reward.gold_policy",
+    "reward.gold_eval_prompts",
+    "reward.gen_max_new_tokens",
+    "ppo.eval_",
+    "ppo.logprob_gap_interval",
+)
 
 
 class CheckpointError(ConfigError):
@@ -50,7 +84,7 @@ def resume_point(run_dir: Path, mode: str) -> Path | None:
     """Collective. The checkpoint to resume from (resume=auto), or None: then an earlier run's
     checkpoints in this run dir are removed, so that pruning and a later resume see this run's
     only."""
-    path = latest(run_dir) if mode == "auto" else None
+    path = latest(run_dir) if mode in ("auto", "force") else None
     if path is None:
         if is_main():
             shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
@@ -65,10 +99,12 @@ def save(
     trainer: dict[str, Any],
     keep: int,
     write_files: Callable[[Path], None] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: every rank must call it. Returns the checkpoint's directory. ``write_files``
     (called on every rank with the temporary directory) adds a recipe's own files, e.g. state
-    sharded over the ranks that must not pass through rank 0's trainer.pt."""
+    sharded over the ranks that must not pass through rank 0's trainer.pt. ``config``: the
+    run's config (dataclasses.asdict), kept for :func:`resume_problem`."""
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
@@ -85,6 +121,8 @@ def save(
             write_files(tmp)
         if is_main():
             torch.save({**trainer, "world_size": world_size()}, tmp / "trainer.pt")
+            if config is not None:
+                (tmp / CONFIG_FILE).write_text(json.dumps(config, default=str))
     # a full disk, a quota, a file-size limit (torch.save reports a failed write as a
     # RuntimeError from its zip writer)
     except (OSError, RuntimeError) as err:
@@ -93,10 +131,10 @@ def save(
     if world_size() > 1:
         torch.distributed.all_reduce(failed)
     if failed.item():
+        previous = latest(run_dir)
+        reason = _failure(error, tmp, previous)
         if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest(run_dir)
-        reason = f"{type(error).__name__}: {error}" if error else "another rank failed to write"
         raise CheckpointError(
             f"checkpoint at step {step} could not be written to {tmp} ({reason}); "
             + (
@@ -115,6 +153,65 @@ def save(
     barrier()
     log.info("checkpoint: step %d -> %s", step, final)
     return final
+
+
+def _failure(error: Exception | None, tmp: Path, previous: Path | None) -> str:
+    """Why this rank's write failed: a full disk with the space a checkpoint takes (the previous
+    one's size, or at least what was written before the disk filled), or the error itself."""
+    if error is None:
+        return "another rank failed to write"
+    if out_of_space(error, tmp):
+        needed = dir_size(previous) or dir_size(tmp)
+        return no_space_message(tmp.parent, needed, at_least=previous is None)
+    return f"{type(error).__name__}: {error}"
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint was made under (None: it predates config.json)."""
+    file = Path(path) / CONFIG_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or key.startswith(k if k.endswith("_") else k + ".") for k in RESUMABLE)
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: A there, B here' for each key that matters (not in RESUMABLE) and differs."""
+    there, here = _flat(saved), _flat(json.loads(json.dumps(current, default=str)))
+    absent = "(absent)"
+    return [
+        f"{key}: {there.get(key, absent)!r} there, {here.get(key, absent)!r} here"
+        for key in sorted(set(there) | set(here))
+        if not _resumable(key) and there.get(key, absent) != here.get(key, absent)
+    ]
+
+
+def resume_problem(run_dir: Path, mode: str, current: dict[str, Any]) -> str | None:
+    """Why ``resume=auto`` must not continue from ``run_dir``'s newest checkpoint (None: it
+    may, or there is none): it was made under another config."""
+    path = latest(run_dir) if mode == "auto" else None
+    saved = saved_config(path) if path is not None else None
+    differences = config_differences(saved, current) if saved is not None else []
+    if not differences:
+        return None
+    shown = "; ".join(differences[:6])
+    if len(differences) > 6:
+        shown += f"; {len(differences) - 6} more"
+    return (
+        f"resume=auto: {path} was made under another config ({shown}); run that config, choose "
+        "another hydra.run.dir, resume=never to start over (deleting those checkpoints) or "
+        "resume=force to continue from it with this config"
+    )
 
 
 def load(path: Path, engines: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,12 +120,75 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        announce_cpu_adam_build()
+
         return skippable(DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs))
     if torch.cuda.is_available():
         from deepspeed.ops.adam import FusedAdam
 
         return skippable(FusedAdam(groups, adam_w_mode=True, **kwargs))
     return skippable(torch.optim.AdamW(groups, **kwargs))
+
+
+# DeepSpeed compiles its CPU Adam on first use with torch's cpp_extension, which holds a lock
+# file in the build directory while it builds and waits, without a word and without end, while
+# someone else's lock is there. A build that was interrupted leaves its lock behind.
+CPU_ADAM = "cpu_adam"  # the op's name, and its build directory's
+
+
+def cpu_adam_build_dir() -> Path:
+    """Where torch builds DeepSpeed's CPU Adam: $TORCH_EXTENSIONS_DIR or
+    ~/.cache/torch_extensions/<python>_<accelerator>, then cpu_adam/."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(CPU_ADAM, verbose=False))
+
+
+def _building(build_dir: Path) -> bool | None:
+    """Whether a process on this machine works in ``build_dir`` (ninja and the compiler run
+    there); None where /proc cannot tell."""
+    proc = Path("/proc")
+    if not (proc / "self" / "cwd").exists():
+        return None
+    for pid in proc.iterdir():
+        try:
+            if pid.name.isdigit() and os.readlink(pid / "cwd") == str(build_dir):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def cpu_adam_lock_problem(key: str, build_dir: Path | None = None) -> str | None:
+    """A build lock that nobody holds any more: the first offload run would wait on it
+    forever. A fresh lock (another process about to build) is left alone."""
+    build_dir = build_dir or cpu_adam_build_dir()
+    lock = build_dir / "lock"
+    if not lock.exists():
+        return None
+    age = time.time() - lock.stat().st_mtime
+    building = _building(build_dir)
+    if building or age < (60 if building is False else 600):
+        return None
+    return (
+        f"{key}=true: DeepSpeed's CPU Adam would wait forever on the build lock {lock}, left "
+        f"{age / 60:.0f} min ago by a build that did not finish (no process is building it "
+        f"now); remove it (rm {lock}) and run again"
+    )
+
+
+def announce_cpu_adam_build() -> None:
+    """One line before DeepSpeed compiles its CPU Adam (about a minute on first use)."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(CPU_ADAM):  # built when DeepSpeed was installed
+        return
+    build_dir = cpu_adam_build_dir()
+    problem = cpu_adam_lock_problem("zero.offload", build_dir)  # torch takes it even to load
+    if problem:
+        raise ConfigError(problem)
+    if not any(build_dir.glob(f"{CPU_ADAM}*.so")):
+        log.info("building DeepSpeed's CPU Adam, first time only (about a minute) in %s", build_dir)
 
 
 def skippable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

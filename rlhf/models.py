@@ -26,7 +26,7 @@ from transformers import (
 from rlhf.config import ConfigError, LoraConfig, ModelConfig
 from rlhf.dist import barrier, is_main
 from rlhf.engine import TORCH_DTYPES
-from rlhf.files import publish_dir, replace_dir
+from rlhf.files import no_space_message, out_of_space, publish_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +309,39 @@ def export_pretrained(
             raise RuntimeError(f"export: missing {sorted(missing)}, unexpected {unexpected}")
         if hasattr(copy, "merge_and_unload"):
             copy = copy.merge_and_unload()
-        tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in copy.state_dict().values())
+        _write_export(copy, tokenizer, out_dir, extra_files or {}, needed)
+    barrier()
+
+
+class ExportError(ConfigError):
+    """An export could not be written; the message says why and that nothing was replaced."""
+
+
+def _write_export(copy, tokenizer, out_dir: Path, extra_files: dict[str, dict], needed: int):
+    """Write into a temporary sibling and rename it over ``out_dir`` once complete. A failed
+    write leaves no temporary directory and the existing export untouched; a full disk is one
+    line with the space needed (the summary is written after the exports, so the run is not
+    complete: the same command resumes from its last checkpoint)."""
+    for stale in out_dir.parent.glob(f"{out_dir.name}.tmp*"):  # a killed run's leftovers
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    try:
         copy.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        for name, payload in (extra_files or {}).items():
+        for name, payload in extra_files.items():
             (tmp / name).write_text(json.dumps(payload, indent=2))
         replace_dir(tmp, out_dir)
-    barrier()
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out_of_space(err, out_dir.parent):
+            raise
+        kept = "is unchanged" if out_dir.exists() else "was not written"
+        raise ExportError(
+            f"export to {out_dir} failed: {no_space_message(out_dir.parent, needed)}; "
+            f"{out_dir} {kept}. Free some space and run the same command again: it resumes "
+            "from the last checkpoint"
+        ) from None
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -59,7 +59,8 @@ class Tracker:
         resume: dict[str, Any] | None = None,
     ):
         """``resume`` (a checkpoint's :meth:`state`) continues the same W&B run and drops the
-        rows a killed run logged after its checkpoint."""
+        rows logged after its checkpoint (by a killed run, or the final evaluation of a run
+        whose export failed), so the resumed run logs each of them once."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
@@ -69,8 +70,11 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # a resumed run drops the rows logged after its checkpoint; a fresh one, every row of an
         # earlier run in this run dir (killed before its first checkpoint, or resume=never)
-        for name in ("metrics.jsonl", "eval_samples.jsonl"):
-            _truncate_after(self.run_dir / name, resume["step"] if resume is not None else -1)
+        kept = (resume or {}).get("rows") or {}
+        self._rows = {
+            name: _truncate(self.run_dir / name, resume["step"] if resume else -1, kept.get(name))
+            for name in ROW_FILES
+        }
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
             run_id = (resume or {}).get("wandb_id")
@@ -86,6 +90,7 @@ class Tracker:
             "step": step,
             "summary": dict(self.summary_metrics),
             "wandb_id": self._wandb.id if self._wandb is not None else None,
+            "rows": dict(self._rows),
         }
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -94,6 +99,7 @@ class Tracker:
         row = {"step": step, **{k: plain(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
+        self._rows["metrics.jsonl"] += 1
         self.summary_metrics.update(row)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
@@ -105,9 +111,11 @@ class Tracker:
         """Sample generations: a JSONL file in the run dir, and a W&B table."""
         if not self.enabled:
             return
-        with open(self.run_dir / f"{name.replace('/', '_')}.jsonl", "a") as f:
+        file = f"{name.replace('/', '_')}.jsonl"
+        with open(self.run_dir / file, "a") as f:
             for values in rows:
                 f.write(json.dumps({"step": step, **dict(zip(columns, values))}) + "\n")
+        self._rows[file] = self._rows.get(file, 0) + len(rows)
         if self._wandb is not None:
             import wandb
 
@@ -130,6 +138,26 @@ class Tracker:
             self._tensorboard.close()
 
 
+def _api_key_known() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_problem(cfg: LoggerConfig) -> str | None:
+    """logger.mode=online without an API key: W&B would fail at its first request (or ask for a
+    key on a terminal); say so before anything runs."""
+    if cfg.backend != "wandb" or cfg.mode != "online" or _api_key_known():
+        return None
+    return (
+        "logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`); log in, or use "
+        "logger.mode=offline (upload later with `wandb sync`) or auto"
+    )
+
+
 def wandb_mode(requested: str) -> str:
     """'auto' logs online when an API key is known and offline otherwise (sync later with
     ``wandb sync``), so runs never block on a login prompt."""
@@ -137,14 +165,7 @@ def wandb_mode(requested: str) -> str:
         return requested
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        if netrc.netrc().authenticators("api.wandb.ai"):
-            return "online"
-    except (FileNotFoundError, netrc.NetrcParseError):
-        pass
-    return "offline"
+    return "online" if _api_key_known() else "offline"
 
 
 def _start_wandb(
@@ -194,12 +215,21 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the rows logged at or before ``step`` (the resumed run logs the rest again)."""
+ROW_FILES = ("metrics.jsonl", "eval_samples.jsonl")  # the files a resumed run cuts back
+
+
+def _truncate(path: Path, step: int, rows: int | None) -> int:
+    """Keep the first ``rows`` rows (those written before the checkpoint; None, from a
+    checkpoint that did not count them: the rows logged at or before ``step``); the resumed
+    run logs the rest again. Returns how many are kept."""
     if not path.exists():
-        return
+        return 0
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if rows is not None:
+        kept = lines[:rows]
+    else:
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
+    return len(kept)

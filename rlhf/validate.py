@@ -18,13 +18,14 @@ The ``*_problem`` functions are pure: they take what was read and return a messa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf import tasks
 from rlhf.config import (
@@ -34,8 +35,9 @@ from rlhf.config import (
     ModelConfig,
     problem_message,
     to_config,
+    unknown_keys,
 )
-from rlhf.data.sources import source_problems, source_task
+from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
 # one (a single token, every text encoded to nothing) instead of failing.
@@ -241,7 +243,8 @@ def validated(cfg: DictConfig, produced: tuple[Path, ...] = ()) -> Config:
     """The typed config, or a ConfigError listing every problem of the schema, the model paths
     and the data, reward and PTX settings. ``produced``: directories an earlier step of the
     pipeline will write (step=all), which need not exist yet."""
-    return to_config(cfg, lambda config: config_problems(config, produced))
+    unknown = unknown_keys(cfg)  # added with "+": the conversion would drop them silently
+    return to_config(cfg, lambda config: unknown + config_problems(config, produced))
 
 
 def config_problems(config: Config, produced: tuple[Path, ...] = ()) -> list[str]:
@@ -251,7 +254,7 @@ def config_problems(config: Config, produced: tuple[Path, ...] = ()) -> list[str
         prefix = f"data.sources.{name}."
         out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
     out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
-    return out
+    return out + offload_problems(config)
 
 
 def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str, object, str]]:
@@ -294,19 +297,19 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
             out.append(
                 ("ppo.reward_function", ppo.reward_function, f"{tasks.REWARD_ACCEPTED} ({err})")
             )
-        owner = tasks.builtin_reward(ppo.reward_function)
-        if owner is not None:  # a task's reward reads that task's prompts only
+        owners = tasks.reward_owners(ppo.reward_function)
+        if owners:  # a task's reward reads that task's prompts only
             names = ppo.prompt_sources or list(config.data.sources)
             sources = [(n, config.data.sources[n]) for n in names if n in config.data.sources]
-            others = [n for n, src in sources if source_task(src) != owner[0].name]
+            others = [n for n, src in sources if source_task(src) not in owners]
             if others:
+                tasks_named = " or ".join(owners)
                 out.append(
                     (
                         "ppo.reward_function",
                         ppo.reward_function,
-                        f"PPO prompts from {owner[0].name} sources only ({ppo.reward_function} "
-                        f"checks {owner[0].name} answers; {', '.join(others)} are not "
-                        f"{owner[0].name})",
+                        f"PPO prompts from {tasks_named} sources only ({ppo.reward_function} "
+                        f"checks {tasks_named} answers; {', '.join(others)} are not)",
                     )
                 )
     if ppo.unsup_coef > 0 and not os.path.isfile(ppo.unsup_source):
@@ -460,3 +463,250 @@ def check_launch(config: Config) -> None:
         raise ConfigError(
             "PPO cannot train these models as configured:\n  " + "\n  ".join(problems)
         )
+    raise_problems(launch_problems(config), "this run cannot start here")
+
+
+# --- what a user's config would otherwise do silently: rows longer than the model's positions,
+# offload where DeepSpeed ignores it, hub ids that cannot load, top-level model keys PPO does not
+# read, a run directory that holds another config's checkpoints -------------------------------
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+# top-level model.* keys that would pick or shape one model: step=ppo has two, each with its
+# own key (model.dtype and the other ways to run a model reach both: conf/config.yaml)
+PPO_ROLE_MODEL_KEYS = ("path", "tokenizer", "dropout")
+
+
+def _trained(config: Config) -> list[tuple[str, ModelConfig, Any]]:
+    """(key prefix, model, zero) of each model the step trains."""
+    if config.step.name == "ppo":
+        return [
+            (f"{r}.", getattr(config, r).model, getattr(config, r).zero)
+            for r in ("actor", "critic")
+        ]
+    return [("", config.model, config.zero)]
+
+
+def _hub_config_json(repo_id: str) -> dict[str, Any] | None:
+    """A hub model's config.json when it is in the local cache (nothing is downloaded)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    if not isinstance(cached, str):
+        return None
+    with open(cached, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def model_positions(prefix: str, model: ModelConfig) -> tuple[int, str] | None:
+    """How many positions a model has and where that number is written; None when it is not
+    known here (a hub id that is not cached, a directory an earlier step will write)."""
+    if model.path is None:
+        n = model.init.get("max_position_embeddings")
+        where = f"{prefix}model.init.max_position_embeddings={n}, the embedded model"
+        return (n, where) if isinstance(n, int) else None
+    try:
+        if os.path.isdir(os.path.expanduser(model.path)):
+            config_json = read_model_config(f"{prefix}model.path", model.path)
+        else:
+            config_json = _hub_config_json(model.path)
+    except (ConfigError, OSError, json.JSONDecodeError):
+        return None  # reported by the model checks
+    for key in POSITION_KEYS:
+        n = (config_json or {}).get(key)
+        if isinstance(n, int):
+            return n, f"{key}={n} in the config.json of {prefix}model.path={model.path}"
+    return None
+
+
+def positions(config: Config) -> tuple[int, str] | None:
+    """The fewest positions among the models the step trains, and where that number is written
+    (None: not known here)."""
+    known = [k for p, m, _ in _trained(config) if (k := model_positions(p, m)) is not None]
+    return min(known) if known else None
+
+
+def fitted_lengths(config: Config, n: int) -> dict[str, int]:
+    """The lengths to use so that no row, prompt or answer goes past ``n`` positions: the data
+    lengths scaled down together (DeepSpeed-Chat's 512 = 256 + 256 becomes 256 = 128 + 128 on
+    the embedded model), then an answer length cut to what the prompt leaves. Only the keys
+    that change (dotted key -> value)."""
+    data, out = config.data, {}
+    seq, prompt = data.max_seq_len, data.max_prompt_len
+    if seq > n:
+        seq, prompt = n, max(1, prompt * n // seq)
+        out = {"data.max_seq_len": seq, "data.max_prompt_len": prompt}
+    if config.step.name == "ppo":
+        key, answer = "ppo.max_new_tokens", config.ppo.max_new_tokens  # 0: seq - prompt
+    elif any(source_task(s) for s in data.sources.values()):  # the gold evaluation generates
+        key, answer = "sft.gen_max_new_tokens", config.sft.gen_max_new_tokens
+    else:
+        key, answer = "", 0
+    if answer and prompt + answer > n:
+        out[key] = n - prompt
+    return out
+
+
+def fit_lengths(cfg: DictConfig, config: Config, known: tuple[int, str] | None) -> list[str]:
+    """Cut the lengths of ``cfg`` (the composed config, so the run's records show what ran) and
+    of ``config`` (its typed form) to the ``known`` positions; the log line saying so."""
+    changes = fitted_lengths(config, known[0]) if known is not None else {}
+    if not changes:
+        return []
+    listed = []
+    for key, value in changes.items():
+        listed.append(f"{key} {OmegaConf.select(cfg, key)} -> {value}")
+        OmegaConf.update(cfg, key, value)
+        node, _, name = key.partition(".")
+        setattr(getattr(config, node), name, value)
+    return [
+        f"the model has {known[0]} positions ({known[1]}), fewer than the lengths asked for: "
+        f"{', '.join(listed)}"
+    ]
+
+
+def offload_problems(config: Config) -> list[str]:
+    """zero.offload at ZeRO stage 0, where DeepSpeed offloads nothing (the CPU Adam it builds
+    first costs a minute for nothing)."""
+    return [
+        problem_message(
+            f"{prefix}zero.offload",
+            True,
+            f"false at {prefix}zero.stage=0: DeepSpeed offloads only at ZeRO stages 1-3; set "
+            f"{prefix}zero.stage=1, 2 or 3 to offload",
+        )
+        for prefix, _, zero in _trained(config)
+        if zero.offload and zero.stage == 0
+    ]
+
+
+_HUB = {"reachable": None}  # one probe per process: an unreachable hub is not asked again
+
+
+def _hub_ids(config: Config) -> list[tuple[str, str, str]]:
+    """(key, hub id, "model" | "dataset") of what the step loads from the hub."""
+    pairs = []
+    for prefix, model, _ in _trained(config):
+        pairs += [
+            (f"{prefix}model.path", model.path),
+            (f"{prefix}model.tokenizer", model.tokenizer),
+        ]
+    if config.step.name == "reward":
+        pairs.append(("reward.gold_policy", config.reward.gold_policy))
+    out = [(key, value, "model") for key, value in pairs if value and not _looks_local(value)]
+    for name, source in config.data.sources.items():
+        if (
+            source.adapter in ADAPTERS
+            and source.adapter not in GENERATED
+            and not reads_local(source)
+        ):
+            hub_id = source.path or ADAPTERS[source.adapter].hub_id
+            out.append((f"data.sources.{name}.path", hub_id, "dataset"))
+    return out
+
+
+def _hub_cached(repo_id: str, kind: str) -> bool:
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.file_download import repo_folder_name
+
+    if kind == "model":
+        try:
+            found = [
+                try_to_load_from_cache(repo_id, f) for f in ("config.json", "tokenizer_config.json")
+            ]
+        except ValueError:
+            return False
+        return any(isinstance(f, str) for f in found)
+    import datasets.config
+
+    hub_copy = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="dataset")
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")
+    return hub_copy.is_dir() or prepared.is_dir()
+
+
+def _hub_answer(repo_id: str, kind: str) -> str:
+    """'ok', 'missing', 'invalid' or 'unreachable' for a hub id that is not cached here."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    if huggingface_hub.is_offline_mode() or _HUB["reachable"] is False:
+        return "unreachable"
+    info = huggingface_hub.model_info if kind == "model" else huggingface_hub.dataset_info
+    try:
+        info(repo_id, timeout=5)
+    except RepositoryNotFoundError:
+        return "missing"
+    except HFValidationError:
+        return "invalid"
+    except HfHubHTTPError:
+        return "ok"  # gated, rate-limited ...: loading says more
+    except Exception:  # any network failure: connection, DNS, timeout, proxy
+        _HUB["reachable"] = False
+        return "unreachable"
+    _HUB["reachable"] = True
+    return "ok"
+
+
+def hub_problems(config: Config) -> list[str]:
+    """Hub ids that cannot load here: offline and not cached, unknown, or not ids at all (a
+    relative path that does not exist looks like an id: "mysft/model")."""
+    why = {
+        "unreachable": "not a local directory, and the hub is not reachable (offline)",
+        "missing": "not a local directory, and no {kind} of that name on the hub (a private one "
+        "needs HF_TOKEN)",
+        "invalid": "not a local directory, nor a hub id (owner/name)",
+    }
+    out = []
+    for key, repo_id, kind in _hub_ids(config):
+        if _hub_cached(repo_id, kind):
+            continue
+        answer = _hub_answer(repo_id, kind)
+        if answer != "ok":
+            out.append(f"{key}={repo_id!r}: {why[answer].format(kind=kind)}")
+    return out
+
+
+def launch_problems(config: Config) -> list[str]:
+    """Hub ids, a stale DeepSpeed build lock, a W&B login that is not there."""
+    from rlhf.engine import cpu_adam_lock_problem
+    from rlhf.tracking import wandb_problem
+
+    out = hub_problems(config)
+    offloaded = [p for p, _, zero in _trained(config) if zero.offload and zero.stage > 0]
+    if offloaded:
+        out.append(cpu_adam_lock_problem(f"{offloaded[0]}zero.offload"))
+    out.append(wandb_problem(config.logger))
+    return [p for p in out if p]
+
+
+def ppo_model_value_problems(step: str, overrides: list[str]) -> list[str]:
+    """step=ppo trains actor.model and critic.model: a top-level model.path, model.tokenizer
+    or model.dropout would change neither. Refused, with the role keys to set."""
+    if step != "ppo":
+        return []
+    out = []
+    for line in overrides:
+        name = line.lstrip("+").split("=", 1)[0].removeprefix("model.")
+        if name in PPO_ROLE_MODEL_KEYS and line.lstrip("+").startswith("model."):
+            out.append(
+                f"{line}: step=ppo does not read model.{name}: the actor and the critic each "
+                f"have one (actor.model.{name}, critic.model.{name}); set those"
+            )
+    return out
+
+
+def resume_problem(config: Config, run_dir: Path) -> str | None:
+    """resume=auto in a run directory whose newest checkpoint another config made."""
+    from rlhf.checkpoint import resume_problem as differs
+
+    return differs(run_dir, config.resume, dataclasses.asdict(config))
+
+
+def raise_problems(problems: list[str], header: str) -> None:
+    """One problem: its line; several: a header and one line each (ConfigError, exit 2)."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{header}:\n  " + "\n  ".join(problems))

@@ -17,11 +17,12 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenc
 from rlhf import models
 from rlhf import validate as preflight
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.config import ConfigError, DataConfig, ModelConfig, SourceConfig
+from rlhf.config import ConfigError, DataConfig, ModelConfig, SourceConfig, register_configs
 from rlhf.data import pipeline
 from rlhf.data.sources import SourceError
 from tests.conftest import FAST, cache_overrides, run_rlhf
 
+register_configs()  # the schema, for the tests that compose in-process
 NO_TRACE = {"HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
 LOCAL_FAST = [o for o in FAST if not o.startswith("data.sources.toy")]
 OUTPUTS = ("model", "actor", "critic", "checkpoints", "metrics.jsonl", "summary.json", "sft")
@@ -407,3 +408,362 @@ def test_api_keys_never_reach_the_run_dir(tmp_path, cache_dir):
     exported = {p.name for p in (run_dir / "model").iterdir()}
     assert "model.safetensors" in exported
     assert not {n for n in exported if n.endswith((".bin", ".pt", ".pkl"))}
+
+
+# --- issue 18: a user's own data and a user's mistakes ---------------------------------------------
+
+
+def _run_dir_files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_lengths_past_the_models_positions_are_cut_to_fit(tmp_path, cache_dir):
+    """data=local keeps DeepSpeed-Chat's 512-token rows, more than the embedded model's 256
+    positions: the run cuts the lengths (with a line saying so) instead of an IndexError."""
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")  # the data step then stops the run: nothing trains
+    proc = run_rlhf(
+        [
+            "step=sft",
+            "data=local",
+            f"data.sources.local.path={path}",
+            *LOCAL_FAST,
+            *cache_overrides(cache_dir),
+        ],
+        run_dir=tmp_path / "run",
+        check=False,
+        timeout=300,
+        extra_env=NO_TRACE,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "the model has 256 positions (model.init.max_position_embeddings=256" in output
+    assert "data.max_seq_len 512 -> 256, data.max_prompt_len 256 -> 128" in output
+    saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+    assert "max_seq_len: 256" in saved and "max_prompt_len: 128" in saved  # what ran
+
+
+def test_fitted_lengths_keep_answers_within_the_positions(model_dirs):
+    from rlhf.config import Config
+
+    config = Config()
+    config.data.max_seq_len, config.data.max_prompt_len = 512, 256
+    assert preflight.positions(config) == (
+        256,
+        "model.init.max_position_embeddings=256, the embedded model",
+    )
+    assert preflight.fitted_lengths(config, 256) == {
+        "data.max_seq_len": 256,
+        "data.max_prompt_len": 128,
+    }
+    # the gold evaluation of a task's prompts generates after the prompt: its answer is cut too
+    config.data.sources = {"toy": SourceConfig(adapter="toy", num_rows=100)}
+    config.sft.gen_max_new_tokens = 200
+    assert preflight.fitted_lengths(config, 256)["sft.gen_max_new_tokens"] == 128
+    config.step.name = "ppo"
+    config.actor.model.path = config.critic.model.path = str(model_dirs["sft"])
+    config.ppo.max_new_tokens = 4000
+    known = preflight.positions(config)
+    assert known[0] == 2048 and "config.json of actor.model.path=" in known[1]
+    assert preflight.fitted_lengths(config, known[0]) == {"ppo.max_new_tokens": 2048 - 256}
+
+
+def test_the_readmes_prompt_template_gives_real_newlines(tmp_path):
+    """The README's command passes the template as Hydra does: backslash-n, two characters."""
+    from rlhf.data.sources import load_source
+    from tests.conftest import compose
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(
+        _jsonl([{"question": f"Q{i}?", "good": "Yes.", "bad": "No."} for i in range(10)])
+    )
+    cfg = compose(
+        [
+            "data=local",
+            f"data.sources.local.path={path}",
+            "data.sources.local.columns={prompt: question, chosen: good, rejected: bad}",
+            'data.sources.local.prompt_template="\\n\\nHuman: {prompt}\\n\\nAssistant:"',
+        ]
+    )
+    assert cfg.data.sources.local.prompt_template.startswith("\\n\\nHuman:")  # as typed
+    source = preflight.validated(cfg).data.sources["local"]
+    prompts = load_source(source, "train", 0).rows["prompt"]
+    assert all(p.startswith("\n\nHuman: Q") and p.endswith("?\n\nAssistant:") for p in prompts)
+
+
+def test_an_added_key_the_schema_does_not_know_is_refused(tmp_path, cache_dir):
+    """+step.max_step=5 used to run the whole training; Hydra's own hint says to add the +."""
+    message = _refused(["step=sft", "+step.max_step=5", *FAST], tmp_path, cache_dir, [])
+    assert message == (
+        "error: +step.max_step=5: no such key; the closest known key is step.max_steps"
+    )
+
+
+def test_unknown_keys_in_a_composed_config_name_the_closest(tmp_path):
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError) as err:
+        preflight.validated(compose(["+ppo.kl_coeff=0.2", "++data.max_seq_length=64"]))
+    lines = str(err.value).splitlines()
+    assert "  ppo.kl_coeff: no such key; the closest known key is ppo.kl_coef" in lines
+    assert "  data.max_seq_length: no such key; the closest known key is data.max_seq_len" in lines
+    # a free name under a dict of the schema (OPTConfig arguments) is a known key
+    assert preflight.unknown_keys(compose(["+model.init.layerdrop=0.0"])) == []
+
+
+def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
+    """A run dir holding a checkpoint made under ``overrides`` (only its config.json: the
+    refusal must come before anything is loaded) and a .hydra/ record."""
+    import dataclasses
+
+    from tests.conftest import compose
+
+    made_under = dataclasses.asdict(preflight.validated(compose(overrides)))
+    step = run_dir / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text(json.dumps(made_under))
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text("the other run's config\n")
+    return step
+
+
+def test_resuming_a_run_made_under_another_config_is_refused(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    step = _checkpoint_of(run_dir, ["step=sft", "optim.lr=0.002", *FAST])
+    before = _run_dir_files(run_dir)
+    proc = run_rlhf(
+        ["step=sft", *FAST, *cache_overrides(cache_dir)],
+        run_dir=run_dir,
+        check=False,
+        timeout=300,
+        extra_env=NO_TRACE,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [message] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert message.startswith(f"error: resume=auto: {step} was made under another config ")
+    assert "optim.lr: 0.002 there, 0.001 here" in message and "resume=force" in message
+    after = _run_dir_files(run_dir)
+    assert {k: v for k, v in after.items() if not k.endswith(".log")} == before  # .hydra/ too
+
+
+def test_what_a_resumed_run_may_change():
+    from rlhf import checkpoint
+
+    saved = {"optim": {"lr": 0.001}, "step": {"log_interval": 10}, "ppo": {"eval_samples": 4}}
+    same = {"optim": {"lr": 0.001}, "step": {"log_interval": 1}, "ppo": {"eval_samples": 8}}
+    assert checkpoint.config_differences(saved, same) == []
+    other = {**same, "optim": {"lr": 0.01}, "seed": 7}
+    assert checkpoint.config_differences(saved, other) == [
+        "optim.lr: 0.001 there, 0.01 here",
+        "seed: '(absent)' there, 7 here",
+    ]
+
+
+def test_resume_force_continues_whatever_the_config(tmp_path):
+    from rlhf import checkpoint
+
+    _checkpoint_of(tmp_path, ["step=sft", "optim.lr=0.002"])
+    current = {"optim": {"lr": 0.001}}
+    assert checkpoint.resume_problem(tmp_path, "auto", current)
+    assert checkpoint.resume_problem(tmp_path, "force", current) is None
+    assert checkpoint.resume_point(tmp_path, "force") == tmp_path / "checkpoints" / "step-00000002"
+
+
+def test_offload_at_zero_stage_0_is_refused(tmp_path, cache_dir):
+    message = _refused(["step=sft", "zero.offload=true", *FAST], tmp_path, cache_dir, [])
+    assert "zero.offload=True: expected false at zero.stage=0" in message
+    assert "stages 1-3" in message
+
+
+def test_a_stale_build_lock_is_found_and_a_live_one_left_alone(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    from rlhf import engine
+
+    build = tmp_path / "cpu_adam"
+    build.mkdir()
+    assert engine.cpu_adam_lock_problem("zero.offload", build) is None  # no lock
+    lock = build / "lock"
+    lock.write_text("")
+    assert engine.cpu_adam_lock_problem("zero.offload", build) is None  # fresh: someone builds
+    two_hours_ago = time.time() - 7200
+    os.utime(lock, (two_hours_ago, two_hours_ago))
+    problem = engine.cpu_adam_lock_problem("actor.zero.offload", build)
+    assert problem.startswith("actor.zero.offload=true: DeepSpeed's CPU Adam would wait forever")
+    assert f"rm {lock}" in problem and "120 min ago" in problem
+    builder = subprocess.Popen(["sleep", "30"], cwd=build)  # a compiler at work in the directory
+    try:
+        assert engine.cpu_adam_lock_problem("zero.offload", build) is None
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_the_first_cpu_adam_build_is_announced(tmp_path, monkeypatch, caplog):
+    from rlhf import engine
+
+    monkeypatch.setattr(engine, "cpu_adam_build_dir", lambda: tmp_path)
+    with caplog.at_level(logging.INFO, logger="rlhf.engine"):
+        engine.announce_cpu_adam_build()
+    assert "building DeepSpeed's CPU Adam, first time only" in caplog.text
+    caplog.clear()
+    (tmp_path / "cpu_adam.so").write_bytes(b"")  # built before: nothing to say
+    with caplog.at_level(logging.INFO, logger="rlhf.engine"):
+        engine.announce_cpu_adam_build()
+    assert "building" not in caplog.text
+
+
+OFFLINE = {**NO_TRACE, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["step=ppo", "actor.model.path=mysft/model", "critic.model.path={sft}"],
+            "error: actor.model.path='mysft/model': not a local directory, and the hub is not "
+            "reachable (offline)",
+        ),
+        (
+            ["step=sft", "data=rm-static", "data.sources.rm-static.path=nobody/no-such-dataset"],
+            "error: data.sources.rm-static.path='nobody/no-such-dataset': not a local directory, "
+            "and the hub is not reachable (offline)",
+        ),
+    ],
+    ids=["model", "dataset"],
+)
+def test_a_hub_id_offline_is_one_line(overrides, message, model_dirs, tmp_path, cache_dir):
+    dirs = {k: str(v) for k, v in model_dirs.items()}
+    proc = run_rlhf(
+        [*(o.format(**dirs) for o in overrides), *LOCAL_FAST, *cache_overrides(cache_dir)],
+        run_dir=tmp_path / "run",
+        check=False,
+        timeout=300,
+        extra_env=OFFLINE,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip() == message
+
+
+def test_top_level_model_values_in_ppo(model_dirs, tmp_path, cache_dir):
+    """step=ppo reads actor.model / critic.model: model.dtype (and the other ways to run a
+    model) reach both; model.path names one model and is refused with the keys to use."""
+    from tests.conftest import compose
+
+    sft, reward = str(model_dirs["sft"]), str(model_dirs["reward"])
+    roles = [f"actor.model.path={sft}", f"critic.model.path={reward}"]
+    config = preflight.validated(compose(["step=ppo", "model.dtype=bf16", *roles]))
+    assert (config.actor.model.dtype, config.critic.model.dtype) == ("bf16", "bf16")
+    own = preflight.validated(
+        compose(["step=ppo", "model.dtype=bf16", "critic.model.dtype=fp32", *roles])
+    )
+    assert (own.actor.model.dtype, own.critic.model.dtype) == ("bf16", "fp32")
+    message = _refused(["step=ppo", f"model.path={sft}", *roles, *FAST], tmp_path, cache_dir, [])
+    assert message == (
+        f"error: model.path={sft}: step=ppo does not read model.path: the actor and the critic "
+        "each have one (actor.model.path, critic.model.path); set those"
+    )
+
+
+def test_online_wandb_without_a_key_is_one_line(tmp_path, cache_dir, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    env = {**NO_TRACE, "HOME": str(tmp_path)}  # no ~/.netrc login either
+    proc = run_rlhf(
+        ["step=sft", "logger=wandb", "logger.mode=online", *FAST, *cache_overrides(cache_dir)],
+        run_dir=tmp_path / "run",
+        check=False,
+        timeout=300,
+        extra_env=env,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().startswith(
+        "error: logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`)"
+    )
+
+
+def test_all_zero_phase_split_says_not_all_zero():
+    problems = DataConfig(phase_split=[0, 0, 0]).problems()
+    [(key, value, accepted)] = [p for p in problems if p[0] == "phase_split"]
+    assert (key, value) == ("phase_split", [0, 0, 0]) and "not all zero" in accepted
+
+
+# --- a full disk: one line with the space needed; nothing half-written is left --------------------
+
+
+def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path):
+    import errno
+
+    from rlhf.models import ExportError, export_pretrained
+
+    tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    config = OPTConfig(
+        vocab_size=1280, hidden_size=16, word_embed_proj_dim=16, num_hidden_layers=1,
+        ffn_dim=32, num_attention_heads=2,
+    )  # fmt: skip
+    out = tmp_path / "model"
+    export_pretrained(OPTForCausalLM(config), 0, lambda: OPTForCausalLM(config), tok, out)
+    before = _run_dir_files(out)
+    (tmp_path / "model.tmp999").mkdir()  # a killed run's leftover
+
+    def full_disk_copy():
+        copy = OPTForCausalLM(config)
+
+        def save_pretrained(path, **kwargs):
+            Path(path).mkdir()
+            (Path(path) / "model.safetensors").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        copy.save_pretrained = save_pretrained
+        return copy
+
+    with pytest.raises(ExportError) as err:
+        export_pretrained(OPTForCausalLM(config), 0, full_disk_copy, tok, out)
+    message = str(err.value)
+    assert message.startswith(f"export to {out} failed: no space left on device at {tmp_path} (")
+    assert "needed" in message and f"{out} is unchanged" in message
+    assert _run_dir_files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no model.tmp* left
+
+
+def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
+    from rlhf import checkpoint, files
+
+    previous = tmp_path / "checkpoints" / "step-00000001"
+    previous.mkdir(parents=True)
+    (previous / "trainer.pt").write_bytes(b"x" * 5000)
+
+    def short_write(*args, **kwargs):  # what torch's zip writer raises on a full disk
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(checkpoint.torch, "save", short_write)
+    monkeypatch.setattr(files, "free_space", lambda path: 12_000)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.save(tmp_path, 2, {}, {}, keep=2)
+    message = str(err.value)
+    assert "no space left on device at " in message and "unexpected pos" not in message
+    assert "(12.0 KB free; about 5.0 KB needed)" in message
+    assert f"the previous checkpoint {previous} is intact" in message
+    assert not (tmp_path / "checkpoints" / ".tmp-step-00000002").exists()
+
+
+def test_a_resumed_run_logs_its_final_evaluation_once(tmp_path):
+    """The final evaluation runs after the last checkpoint; when the export then fails, the
+    rerun evaluates again: the first one's row is dropped, not kept beside the second."""
+    from rlhf.config import LoggerConfig
+    from rlhf.tracking import Tracker
+
+    def tracker(resume=None):
+        return Tracker(tmp_path, LoggerConfig(), "sft", "run", {}, resume=resume)
+
+    first = tracker()
+    first.log({"train/loss": 1.0}, step=4)
+    state = first.state(4)  # the checkpoint at step 4
+    first.log({"eval/loss": 0.5}, step=4)  # the final evaluation, then the export fails
+    first.close()
+    second = tracker(resume=state)
+    second.log({"eval/loss": 0.5}, step=4)
+    second.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 4, "train/loss": 1.0}, {"step": 4, "eval/loss": 0.5}]

@@ -278,3 +278,42 @@ def test_a_saved_dataset_source_is_cached_outside_its_folder(tmp_path, tokenizer
     (folder / "README.md").write_text("notes")
     key = pipeline.cache_key(data, "sft", "train", tokenizer, eot)
     assert not any(d.endswith(key[:20]) for d in _dirs(cache))
+
+
+@pytest.mark.slow
+def test_two_ranks_read_one_entry_of_a_saved_dataset(tmp_path):
+    """Two ranks on a save_to_disk source: rank 0 builds the entry under the cache dir, rank 1
+    reads that entry (the key comes from rank 0), and the user's folder is left as it was."""
+    import datasets
+
+    from tests.conftest import FAST, cache_overrides, read_summary, run_rlhf
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list(_unique_rows(200)).save_to_disk(str(folder))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    cache = tmp_path / "cache"
+    run_rlhf(
+        [
+            "step=sft",
+            "data=local",
+            f"data.sources.local.path={folder}",
+            *(o for o in FAST if not o.startswith("data.sources.toy")),
+            "data.max_seq_len=48",
+            "data.max_prompt_len=24",
+            "optim.micro_batch_size=4",
+            "step.max_steps=2",
+            "step.eval_at_start=false",
+            "step.save_model=false",
+            *cache_overrides(cache),
+        ],
+        run_dir=tmp_path / "run",
+        nproc=2,
+        timeout=600,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    assert read_summary(tmp_path / "run")["train/steps"] == 2
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*")) == before
+    entries = sorted(
+        p.name.split("-")[0] + "-" + p.name.split("-")[1] for p in (cache / "data").iterdir()
+    )
+    assert entries == ["sft-eval", "sft-train"]  # one entry each, no .tmp left behind

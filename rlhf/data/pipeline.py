@@ -77,14 +77,13 @@ def phase_dataset(
             built.save_to_disk(str(tmp))
             (tmp / LOG_FILE).write_text(json.dumps(lines))
             publish_dir(tmp, path)
-            log.info("tokenised %d %s/%s rows into %s", len(built), phase, split, path)
-    elif is_main():
-        log.info("%s/%s: tokenised rows from the cache, %s", phase, split, path)
     _raise_on_every_rank(failure)
+    barrier()
+    rows = datasets.load_from_disk(str(path))
     if is_main():
         _log_lines(path / LOG_FILE)
-    barrier()
-    return datasets.load_from_disk(str(path))
+        log.info("data %s/%s: %d tokenised rows in %s", phase, split, len(rows), path)
+    return rows
 
 
 def _log_lines(file: Path) -> None:

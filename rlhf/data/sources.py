@@ -435,9 +435,16 @@ def _ab_problems(columns: dict[str, str]) -> list[tuple[str, Any, str]]:
     return [("columns", columns, accepted)]
 
 
+def mapped_columns(source: Any) -> dict[str, str]:
+    """``columns`` as mapped: a key mapped to its own name is the default, as if unmapped
+    (conf/data/local.yaml lists prompt, chosen, rejected so a command line can rename them),
+    except ``response``, which is read only when mapped."""
+    return {k: v for k, v in (source.columns or {}).items() if k != v or k == "response"}
+
+
 def _mapping_problems(source: Any) -> list[tuple[str, Any, str]]:
     out = []
-    columns = dict(source.columns or {})
+    columns = mapped_columns(source)
     for key, column in columns.items():
         if key not in COLUMN_KEYS:
             out.append((f"columns.{key}", column, f"a key among {', '.join(COLUMN_KEYS)}"))
@@ -637,7 +644,7 @@ def _schema_columns(source: Any, data: datasets.Dataset) -> tuple[datasets.Datas
     if source.adapter != "local":
         _check_columns(source, ADAPTERS[source.adapter].required_columns, present)
         return data, []
-    plan = _column_plan(dict(source.columns or {}), present)
+    plan = _column_plan(mapped_columns(source), present)
     for column, keys in duplicate_columns(plan).items():
         raise SourceError(
             f"source {describe(source)}: column {column!r} is read as {' and '.join(keys)}; "

@@ -245,6 +245,7 @@ class Run:
             trainer,
             self.cfg.step.keep_checkpoints,
             self.extra_files,
+            config=asdict(self.cfg),  # resume=auto continues only the same config
         )
 
     @contextmanager
