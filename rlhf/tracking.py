@@ -65,6 +65,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
         self._wandb = self._tensorboard = None
+        self._rows: dict[str, int] = {}  # rows in each file of ROW_FILES (rank 0 writes alone)
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

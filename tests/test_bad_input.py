@@ -767,3 +767,6 @@ def test_a_resumed_run_logs_its_final_evaluation_once(tmp_path):
     second.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 4, "train/loss": 1.0}, {"step": 4, "eval/loss": 0.5}]
+    # the other ranks' trackers write nothing, and their checkpoint state still says so
+    idle = Tracker(tmp_path, LoggerConfig(), "sft", "run", {}, enabled=False)
+    assert idle.state(4)["rows"] == {}
