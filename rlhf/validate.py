@@ -9,9 +9,15 @@ these checks at once. The model checks: each local model directory must hold a
 (a ``*ForSequenceClassification`` export); and its tokenizer must not have more tokens than the
 model has embeddings (``model.tokenizer`` pointing at another model's tokenizer).
 
-Only ``config.json`` and the tokenizer files are read. Hub ids are skipped: they cannot be
-checked offline, and their own loading errors name them. The tiny model (``path: null``) is
-built from its tokenizer, so it always matches.
+Only ``config.json`` and the tokenizer files are read. A hub id is checked for whether it can
+load here (in the local cache, or the hub answers), not for its contents. The tiny model
+(``path: null``) is built from its tokenizer, so it always matches.
+
+What a config would otherwise do silently is caught here too: unknown keys added with ``+``,
+offload where DeepSpeed ignores it, top-level ``model.*`` keys step=ppo does not read, a run
+directory whose checkpoint another config made (``resume_problem``), a stale DeepSpeed build
+lock, W&B online without a key; and lengths past the model's positions are cut to fit
+(``fit_lengths``), with a line saying so.
 
 The ``*_problem`` functions are pure: they take what was read and return a message or None.
 """
