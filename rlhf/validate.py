@@ -315,7 +315,7 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
                         "ppo.reward_function",
                         ppo.reward_function,
                         f"PPO prompts from {tasks_named} sources only ({ppo.reward_function} "
-                        f"checks {tasks_named} answers; {', '.join(others)} are not)",
+                        f"checks {tasks_named} answers; {', '.join(others)} are not {tasks_named})",
                     )
                 )
     if ppo.unsup_coef > 0 and not os.path.isfile(ppo.unsup_source):
