@@ -307,7 +307,7 @@ def test_a_plain_run_uses_the_schema_defaults():
         "sft": {"step.name"},
         "reward": {"step.name", "optim.lr"},
         "ppo": {"step.name", "step.eval_interval"},
-        "dpo": {"step.name", "optim.lr", "model.dropout"},
+        "dpo": {"step.name", "optim.lr", "optim.epochs", "model.dropout"},
         "all": set(),
     }
     data_option = {"data.sources", "data.max_seq_len", "data.max_prompt_len", "data.max_eval_rows"}

@@ -223,6 +223,7 @@ def pipeline(cache_dir, tmp_path_factory):
         *SMALL,
         "step.max_steps=30",
         "step.log_interval=1",
+        "dpo.beta=0.5",  # 5x the default's step on the implicit rewards: clear in 30 steps
         *cache_overrides(cache_dir),
     ]
     run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
@@ -263,7 +264,7 @@ def test_dpo_starts_at_log2_and_learns_the_preferences(pipeline):
     assert summary["eval/loss"] < LOG2 - 0.01
     assert summary["eval/margin"] > 0.02
     assert summary["eval/accuracy"] > 0.5
-    assert summary["eval/kl"] > 0
+    assert summary["eval/kl"] != 0  # the policy has left its reference (k1 may be < 0 on samples)
     assert summary["dpo/loss"] < LOG2
 
 
