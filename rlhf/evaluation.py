@@ -25,7 +25,7 @@ from rlhf.data.sampling import eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
-from rlhf.rl.experience import response_logprobs, reward_scores
+from rlhf.rl.experience import mask_short_answers, response_logprobs, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, generate
 from rlhf.rl.models import Models, max_new_tokens
 
@@ -243,10 +243,10 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
 class PPOEvaluator:
     """Answers of the actor to held-out prompts, twice: greedy (ppo.eval_greedy) for
     eval/reward, eval/response_length and, on data with a checker, eval/gold_accuracy and its
-    halves; sampled, ppo.eval_samples answers a prompt at the rollout temperature, for
+    halves; sampled, ppo.eval_samples answers a prompt decoded as the rollouts are, for
     eval/gold_accuracy_sampled (and halves), eval/reward_sampled, eval/kl (the KL to the
     reference as ppo/kl measures it: the configured estimator at the sampling temperature,
-    summed over an answer) and eval/gold_score_corr (how the reward tracks the checker on the
+    in the loss's precision, summed over an answer, short answers left out) and eval/gold_score_corr (how the reward tracks the checker on the
     policy's own samples). Warns when the reward rises while the checker says the answers got
     worse (without a checker: while the answer length drifts): reward hacking."""
 
@@ -264,7 +264,8 @@ class PPOEvaluator:
         self.checkable = bool(gold)
         common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
         self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
-        self.sampled = Sampling(max_new_tokens(cfg), greedy=False, **common)
+        # the rollouts' own decoding, so that eval/kl measures what ppo/kl measures
+        self.sampled = Sampling(max_new_tokens(cfg), greedy=ppo.greedy, **common)
         self.samples: list[list] = []
         self.first: dict[str, float] | None = None
         self.warnings = 0
@@ -331,18 +332,21 @@ class PPOEvaluator:
         device = model_device(models.actor)
         sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
         start = rollout.prompt_width - 1
+        ppo = self.cfg.ppo
         temperature = 1.0 if sampling.greedy else sampling.temperature
+        fp32 = self.cfg.actor.optim.compute_fp32_loss  # as the rollouts score them
         logprobs, _ = response_logprobs(
-            models.actor, sequences, mask, start, temperature=temperature
+            models.actor, sequences, mask, start, fp32=fp32, temperature=temperature
         )
         ref_logprobs, _ = response_logprobs(
-            models.reference, sequences, mask, start, temperature=temperature
+            models.reference, sequences, mask, start, fp32=fp32, temperature=temperature
         )
         response_mask = rollout.response_mask.to(device)
-        per_token = algos.kl_penalty(
-            logprobs.float(), ref_logprobs.float(), self.cfg.ppo.kl_estimator
-        )
-        kl = algos.masked_sum(per_token, response_mask, dim=1)
+        kl_mask = response_mask
+        if ppo.short_answer_penalty is None:  # short answers carry no KL in training either
+            kl_mask, _ = mask_short_answers(response_mask, ppo.min_response_tokens)
+        per_token = algos.kl_penalty(logprobs.float(), ref_logprobs.float(), ppo.kl_estimator)
+        kl = algos.masked_sum(per_token, kl_mask, dim=1)
         scores = reward_scores(
             models.reward, sequences, mask, rollout.prompt_width, response_mask, self.score_position
         )
@@ -481,7 +485,8 @@ class DPOEvaluator:
         self.checkable = bool(gold)
         common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
         self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
-        self.sampled = Sampling(max_new_tokens(cfg), greedy=False, **common)
+        # the rollouts' own decoding, so that eval/kl measures what ppo/kl measures
+        self.sampled = Sampling(max_new_tokens(cfg), greedy=ppo.greedy, **common)
         self.samples: list[list] = []
 
     @torch.no_grad()
