@@ -221,11 +221,15 @@ def policy_loss(
     response_mask: Tensor,
     clip_range: float,
     dual_clip: float | None = None,
+    clip_high: float | None = None,
+    aggregation: str = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate: masked mean over real tokens of max(-A * r, -A * clip(r, 1 - eps, 1 + eps)).
+    """PPO clipped surrogate: max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high)) per real token,
+    aggregated over the batch by :func:`aggregate_loss` (default: the mean over real tokens).
 
     logprobs: (B, T) current policy; old_logprobs, advantages: (B, T) from the rollout; response_mask: (B, T).
-    clip_range: eps. dual_clip: c > 1 (Ye et al. 2020): for A < 0 the token loss is at most c * |A|.
+    clip_range: eps. clip_high: eps_high (DAPO's clip-higher; None: eps, the symmetric clip).
+    dual_clip: c > 1 (Ye et al. 2020): for A < 0 the token loss is at most c * |A|.
     The log-ratio is clamped to +-MAX_LOG_RATIO before exp (a token that far off gets no gradient).
     Stats: approx_kl = mean of k3 = (r - 1) - log r (KL(old || new), unbiased, >= 0); clipfrac = fraction of
     real tokens where the eps clip was active; ratio_max, ratio_mean (0 with no real token); with dual_clip,
@@ -240,7 +244,8 @@ def policy_loss(
     )
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    high = clip_range if clip_high is None else clip_high
+    loss2 = -adv * ratio.clamp(1.0 - clip_range, 1.0 + high)
     token_loss = torch.maximum(loss1, loss2)
     with torch.no_grad():
         stats = {
@@ -254,7 +259,7 @@ def policy_loss(
         dual = (adv < 0) & (loss3 < token_loss)
         token_loss = torch.where(dual, loss3, token_loss)
         stats["dual_clipfrac"] = masked_mean(dual.float(), mask).detach()
-    return masked_mean(token_loss, mask), stats
+    return aggregate_loss(token_loss, mask, aggregation), stats
 
 
 def value_loss(
@@ -489,3 +494,132 @@ PREFERENCE_LOSSES = {
     "simpo": simpo_loss,
 }
 REFERENCE_FREE = ("simpo",)
+
+
+# ---------------------------------------------------------------- critic-free estimators and their knobs
+# Group methods sample n answers to each prompt; a group is n contiguous rows (rows
+# [g * n, (g + 1) * n) answer prompt g), so a batch of B rows holds G = B / n groups. Outcome
+# advantages are per answer (B,) and reach every real token of it through token_advantages.
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def aggregate_loss(x: Tensor, response_mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """A batch's loss from per-token losses x (B, T): "token-mean" averages over every real token
+    (long answers weigh more; DAPO), "seq-mean-token-mean" averages each answer over its tokens,
+    then over answers (GRPO's paper), "seq-mean-token-sum" sums each answer's tokens, then
+    averages over answers (Dr. GRPO: no length normalisation). Answers with no real token count
+    in neither mean. Scalar; :func:`aggregation_units` counts what it averages over."""
+    mask = response_mask.bool()
+    if mode == "token-mean":
+        return masked_mean(x, mask)
+    rows = mask.any(-1)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(masked_mean(x, mask, dim=-1), rows)
+    if mode == "seq-mean-token-sum":
+        return masked_mean(masked_sum(x, mask, dim=-1), rows)
+    raise ValueError(f"unknown loss aggregation {mode!r}; accepted: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def aggregation_units(response_mask: Tensor, mode: str = "token-mean") -> int:
+    """How many things :func:`aggregate_loss` averages over in this (B, T) mask: real tokens
+    (token-mean) or answers with at least one (the seq- modes). Summed over micro batches and
+    ranks, it turns each micro batch's mean into its share of the global step's mean."""
+    mask = response_mask.bool()
+    return int(mask.sum()) if mode == "token-mean" else int(mask.any(-1).sum())
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    estimator: str = "k3",
+    aggregation: str = "token-mean",
+) -> Tensor:
+    """GRPO's KL term: :func:`kl_penalty` of the current policy against the reference per real
+    token, aggregated as the policy loss is. logprobs (with grad), ref_logprobs, response_mask:
+    (B, T). Masked positions are dropped before the estimator (garbage could overflow k3)."""
+    mask = response_mask.bool()
+    kl = kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), estimator)
+    return aggregate_loss(kl, mask, aggregation)
+
+
+def token_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
+    """(B,) per-answer advantages -> (B, T): the answer's value on each of its real tokens, 0 elsewhere."""
+    full = advantages.unsqueeze(-1).expand(response_mask.shape).to(torch.float32)
+    return _clean(full, response_mask)
+
+
+def _grouped(x: Tensor, group_size: int) -> Tensor:
+    if group_size < 1 or x.shape[0] % group_size:
+        raise ValueError(f"{x.shape[0]} rows do not split into groups of {group_size}")
+    return x.reshape(-1, group_size)
+
+
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    std_normalize: bool = True,
+    valid: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO's outcome advantage: (score - group mean) / (group std + eps), std unbiased.
+    std_normalize=False (Dr. GRPO) keeps score - group mean: no bias towards groups whose
+    answers barely differ.
+
+    scores: (B,) one per answer, B = G x group_size, groups contiguous. valid: (B,) bool, the
+    answers that count (default all): the others enter neither mean nor std and get 0. A group
+    whose counted scores are all equal (or with one counted answer) gets 0 everywhere. -> (B,)
+    """
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool()
+    s, v = _grouped(scores.float(), group_size), _grouped(valid, group_size)
+    centered = _clean(s - masked_mean(s, v, dim=1).unsqueeze(1), v)
+    if std_normalize:
+        var = (centered**2).sum(1) / (v.sum(1) - 1).clamp(min=1)
+        centered = centered / (var.sqrt().unsqueeze(1) + eps)
+    return _clean(centered, v).flatten()
+
+
+def rloo_advantages(scores: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): each answer's score minus the mean of the OTHER answers to
+    its prompt, (n / (n - 1)) x (score - group mean); unbiased, as the baseline leaves the
+    answer itself out. scores, valid: (B,) as in :func:`group_advantages`; a group with one
+    counted answer gets 0. -> (B,)"""
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool()
+    s, v = _grouped(scores.float(), group_size), _grouped(valid, group_size)
+    total, count = masked_sum(s, v, dim=1).unsqueeze(1), v.sum(1, keepdim=True)
+    others = (total - s) / (count - 1).clamp(min=1)
+    return _clean(s - others, v & (count > 1)).flatten()
+
+
+def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Return-to-go G_t = r_t + gamma * G_next over real tokens (GAE with no critic and lambda 1).
+    REINFORCE++ whitens these over the whole batch (all ranks) and uses them as advantages;
+    rewards (B, T) carry the per-token KL penalty and the score at the last token. -> (B, T)"""
+    advantages, _ = gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)
+    return advantages
+
+
+def remax_advantages(rewards: Tensor, baselines: Tensor, response_mask: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023): return-to-go (gamma 1) minus the reward of the greedy answer to
+    the same prompt. rewards, response_mask: (B, T); baselines: (B,) the greedy answers'
+    scores. -> (B, T), 0 on masked positions."""
+    returns = discounted_returns(rewards, response_mask, 1.0)
+    return _clean(returns - baselines.unsqueeze(-1).to(returns.dtype), response_mask)
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the score: 0 up to max_length - buffer answer
+    tokens, then falling linearly to -factor at max_length. lengths: (B,) -> (B,). buffer 0: off."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_length - buffer)) / buffer
+    return -factor * over.clamp(0.0, 1.0)
+
+
+def varied_groups(scores: Tensor, group_size: int, atol: float = 1e-6) -> Tensor:
+    """DAPO's dynamic-sampling filter: (B,) scores -> (G,) bool, True for the groups whose
+    scores are not all equal (within atol). A group of equal scores has zero group-relative
+    advantage everywhere: it would only dilute the batch."""
+    s = _grouped(scores.float(), group_size)
+    return (s.amax(1) - s.amin(1)) > atol
