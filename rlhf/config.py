@@ -384,6 +384,11 @@ class RewardConfig:
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 GENERATION_CACHES = ("dynamic", "static")
+# step 3's advantage estimators: gae trains a critic, the others are critic-free; the group ones
+# compare the answers sampled for one prompt
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass
@@ -417,6 +422,10 @@ class PPOConfig:
     epochs: int = 1  # passes over the prompt set
     grad_accum: int = 1  # update micro batches per optimizer step
     prompt_sources: list[str] = field(default_factory=list)  # data.sources to take prompts from
+    # answers sampled per prompt, one group on the prompt's own rank (grpo and rloo need >= 2):
+    # a generation batch holds per_device_generation_batch_size x this rollout rows, and
+    # per_device_training_batch_size counts rows
+    num_samples_per_prompt: int = 1
     # -- rollouts
     max_new_tokens: int = 0  # answer tokens; 0: data.max_seq_len - data.max_prompt_len
     temperature: float = 1.0  # sampling temperature (log-probs are taken under it too)
@@ -458,6 +467,9 @@ class PPOConfig:
     # -- reward shaping
     kl_coef: float = 0.1  # weight of the per-token KL penalty to the reference in the reward
     kl_estimator: str = "k1"  # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0)
+    # false: -kl_coef x KL per token in the reward (PPO, REINFORCE++); true: kl_coef x KL
+    # (kl_estimator, GRPO's is k3) per token in the actor's loss, the reward is the score alone
+    kl_in_loss: bool = False
     adaptive_kl: bool = False  # Ziegler et al.'s proportional controller towards kl_target
     # the adaptive controller's target: KL to the reference summed over an answer (per
     # sequence, as in Ziegler et al.; verl and OpenRLHF's targets are per-token means)
@@ -472,12 +484,39 @@ class PPOConfig:
     # called with the decoded prompts and answers, returning one float per answer. The critic
     # still starts from critic.model.path (a causal LM there gets a new value head)
     reward_function: str | None = None
+    # DAPO's overlong penalty: an answer longer than max_new_tokens - overlong_buffer tokens
+    # loses up to overlong_penalty from its score, linearly over the buffer; 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # what an answer of max_new_tokens tokens loses
     # -- advantages
-    gamma: float = 1.0  # discount
+    # gae: PPO's critic and GAE | grpo: group-normalised score | rloo: the mean score of the
+    # prompt's other answers as baseline | reinforce_pp: REINFORCE++, returns whitened over the
+    # batch | remax: the greedy answer's score as baseline. All but gae load and train no
+    # critic (critic.* then only names the reward model: critic.model.path)
+    advantage_estimator: str = "gae"
+    gamma: float = 1.0  # discount (gae, reinforce_pp)
     lam: float = 0.95  # GAE's lambda
-    whiten_advantages: bool = True  # advantages to zero mean, unit variance over the rollout
+    # gae: advantages to zero mean, unit variance over the rollout (reinforce_pp always
+    # whitens its returns; the group estimators never whiten)
+    whiten_advantages: bool = True
+    # grpo: divide by the group's std; false: Dr. GRPO (the group mean only, no bias towards
+    # prompts whose answers barely differ)
+    std_normalize: bool = True
+    # drop the groups whose scores are all equal (their advantages are 0) and sample more
+    # prompts until the batch is full again (DAPO; grpo and rloo): ppo/groups_dropped
+    dynamic_sampling: bool = False
+    # dynamic_sampling: extra generation batches an iteration may draw; when they run out the
+    # batch is filled with equal-score groups (ppo/groups_padded)
+    dynamic_sampling_rounds: int = 4
     # -- losses
     clip_range: float = 0.2  # PPO's ratio clip epsilon
+    clip_low: float | None = None  # the ratio's clip below 1 (1 - this); null: clip_range
+    # the ratio's clip above 1 (1 + this; DAPO's clip-higher: 0.28); null: clip_range
+    clip_high: float | None = None
+    # how the actor's token losses become one loss: token-mean (every real token of the step
+    # weighs the same) | seq-mean-token-mean (each answer's mean, then over answers; GRPO's
+    # paper) | seq-mean-token-sum (each answer's sum, then over answers; Dr. GRPO)
+    loss_aggregation: str = "token-mean"
     dual_clip: float | None = None  # e.g. 3.0: bound the loss of negative-advantage tokens
     clip_range_value: float = 0.2  # the value loss's clip around the old values
     entropy_coef: float = 0.0  # weight of an entropy bonus in the actor's loss
@@ -497,6 +536,11 @@ class PPOConfig:
     eval_samples: int = 4
 
     @property
+    def uses_critic(self) -> bool:
+        """Only GAE needs a critic: the other estimators take their baseline from rewards."""
+        return self.advantage_estimator == "gae"
+
+    @property
     def normalizes_reward(self) -> bool:
         """normalize_reward, resolved: null is on for a reward model, off for a function."""
         if self.normalize_reward is None:
@@ -514,10 +558,15 @@ class PPOConfig:
             "grad_accum",
             "min_response_tokens",
             "eval_samples",
+            "num_samples_per_prompt",
         ):
             if getattr(self, key) < 1:
                 out.append((key, getattr(self, key), "an integer >= 1"))
-        rollout = self.per_device_generation_batch_size * self.generation_batches
+        rollout = (
+            self.per_device_generation_batch_size
+            * self.generation_batches
+            * self.num_samples_per_prompt
+        )
         step_rows = self.per_device_training_batch_size * self.grad_accum
         if step_rows > 0 and rollout % step_rows:
             out.append(
@@ -526,7 +575,7 @@ class PPOConfig:
                     self.per_device_training_batch_size,
                     f"a size such that per_device_training_batch_size x grad_accum "
                     f"({step_rows}) divides the rollout of per_device_generation_batch_size "
-                    f"x generation_batches ({rollout})",
+                    f"x generation_batches x num_samples_per_prompt ({rollout})",
                 )
             )
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -579,6 +628,58 @@ class PPOConfig:
                     True,
                     "false with ppo.reward_function set (it normalises a reward model's "
                     "scores by the reward export's statistics)",
+                )
+            )
+        return out + self.estimator_problems()
+
+    def estimator_problems(self) -> list[tuple[str, Any, str]]:
+        """The advantage estimator and the keys that go with it (clips, aggregation, groups)."""
+        out = []
+        name = self.advantage_estimator
+        if name not in ADVANTAGE_ESTIMATORS:
+            out.append(("advantage_estimator", name, f"one of {', '.join(ADVANTAGE_ESTIMATORS)}"))
+        if name in GROUP_ESTIMATORS and self.num_samples_per_prompt < 2:
+            out.append(
+                (
+                    "num_samples_per_prompt",
+                    self.num_samples_per_prompt,
+                    f"an integer >= 2 with advantage_estimator={name} (a group of answers)",
+                )
+            )
+        if self.dynamic_sampling and name not in GROUP_ESTIMATORS:
+            out.append(
+                (
+                    "dynamic_sampling",
+                    True,
+                    f"false unless advantage_estimator is {' or '.join(GROUP_ESTIMATORS)} "
+                    "(only there does a group of equal scores have zero advantage)",
+                )
+            )
+        if self.greedy and name in (*GROUP_ESTIMATORS, "remax"):
+            out.append(
+                (
+                    "greedy",
+                    True,
+                    f"false with advantage_estimator={name} (greedy answers equal their "
+                    "baseline: every advantage would be 0)",
+                )
+            )
+        if self.clip_low is not None and not 0.0 <= self.clip_low < 1.0:
+            out.append(("clip_low", self.clip_low, "null or a float in [0, 1)"))
+        if self.clip_high is not None and self.clip_high < 0:
+            out.append(("clip_high", self.clip_high, "null or a float >= 0"))
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            accepted = f"one of {', '.join(LOSS_AGGREGATIONS)}"
+            out.append(("loss_aggregation", self.loss_aggregation, accepted))
+        for key in ("overlong_buffer", "overlong_penalty", "dynamic_sampling_rounds"):
+            if getattr(self, key) < 0:
+                out.append((key, getattr(self, key), "a number >= 0"))
+        if 0 < self.max_new_tokens <= self.overlong_buffer:
+            out.append(
+                (
+                    "overlong_buffer",
+                    self.overlong_buffer,
+                    f"fewer tokens than ppo.max_new_tokens ({self.max_new_tokens})",
                 )
             )
         return out
