@@ -461,6 +461,10 @@ class PPOConfig:
     # (ppo/logprob_diff_mean, ppo/logprob_diff_max: |sampled - training forward's| per answer
     # token), a second actor forward where rollout_logprobs is on; 0: never
     logprob_gap_interval: int = 10
+    # sample each generation batch from a seed of its own (seed, iteration, the batch's place
+    # among all ranks' batches): the rollouts no longer depend on how many ranks share the
+    # prompts (2 ranks sample what 1 process samples) or on what was drawn before
+    seed_rollouts: bool = False
     # the experience and update passes run over the rollout's rows packed end to end
     # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
     packing: bool = False

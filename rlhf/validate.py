@@ -393,7 +393,8 @@ def ppo_model_problems(config: Config) -> list[str]:
     if config.step.name != "ppo":
         return []
     out = []
-    for role in ("actor", "critic"):
+    # a critic-free estimator trains no critic: critic.model is only the frozen reward model
+    for role in ("actor", "critic") if config.ppo.uses_critic else ("actor",):
         trained = getattr(config, role)
         out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
     actor, critic = config.actor.model, config.critic.model

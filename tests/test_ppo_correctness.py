@@ -488,7 +488,7 @@ def test_the_entropy_graph_is_built_only_when_it_is_trained(entropy_coef, monkey
 
     monkeypatch.setattr(ppo_recipe.algos, "entropy_from_logits", spy)
     models = SimpleNamespace(actor=actor, critic=critic)
-    out = ppo_recipe.train_step(models, [exp], cfg, None, NonFiniteGuard(3))
+    out = ppo_recipe.train_step(models, [exp], cfg, None, NonFiniteGuard(3), 0.0)
     assert grad_modes == [entropy_coef > 0]
     assert out["entropy_sum"] > 0  # logged either way
 

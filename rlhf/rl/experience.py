@@ -7,9 +7,9 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from rlhf.data.packing import RowPacking, pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.engine import model_device
 from rlhf.rl.generation import Rollout, Sampling, generate
-from rlhf.rl.models import Models
+from rlhf.rl.models import Models, max_new_tokens
 from rlhf.rl.rewards import RewardFunction
 from rlhf.tracking import Throughput
 
@@ -34,12 +34,14 @@ class Experience(NamedTuple):
         min_response_tokens are all False: kept in the batch, out of every loss).
     old_logprobs, ref_logprobs: (B, R) log p of each response token under the actor that
         generated it and under the frozen reference.
-    old_values: (B, R) critic values of the state before each response token.
+    old_values: (B, R) critic values of the state before each response token (0 without a
+        critic).
     scores: (B,) reward-model scores (normalised and before clipping).
-    rewards: (B, R) -kl_coef * KL per token, plus the clipped score (less any penalty) at the
-        last real token.
+    rewards: (B, R) -kl_coef * KL per token (none with ppo.kl_in_loss), plus the clipped score
+        (less any penalty) at the last real token.
     kl: (B, R) per-token KL estimate (actor vs reference).
-    advantages, returns: (B, R) GAE outputs.
+    advantages, returns: (B, R) the estimator's (ESTIMATORS): GAE's advantages and the critic's
+        targets; the critic-free estimators' returns are their advantages.
     short: (B,) True where the answer was shorter than min_response_tokens (masked out, or
         kept with its penalty as its score).
     unterminated: (B,) True where the answer was cut at max_new_tokens (no end-of-text);
@@ -173,13 +175,20 @@ class Shaping:
     # None: answers shorter than min_response_tokens are masked out of every loss; a value:
     # they stay in the losses with -short_answer_penalty as their score
     short_answer_penalty: float | None = None
+    estimator: str = "gae"  # ppo.advantage_estimator: a key of ESTIMATORS
+    group_size: int = 1  # answers per prompt, contiguous rows (ppo.num_samples_per_prompt)
+    std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+    max_new_tokens: int = 0  # the answer cap the overlong penalty counts from
+    overlong_buffer: int = 0  # DAPO's overlong penalty: its ramp in tokens (0: off)
+    overlong_penalty: float = 1.0  # and what an answer at the cap loses
 
 
 def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
-    """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef."""
+    """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef (with
+    ppo.kl_in_loss the KL goes into the actor's loss instead: none in the reward)."""
     ppo = cfg.ppo
     return Shaping(
-        kl_coef,
+        0.0 if ppo.kl_in_loss else kl_coef,
         ppo.kl_estimator,
         ppo.clip_reward_value,
         ppo.gamma,
@@ -192,6 +201,12 @@ def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> S
         cfg.actor.optim.compute_fp32_loss,
         ppo.unterminated_penalty,
         ppo.short_answer_penalty,
+        ppo.advantage_estimator,
+        ppo.num_samples_per_prompt,
+        ppo.std_normalize,
+        max_new_tokens(cfg),
+        ppo.overlong_buffer,
+        ppo.overlong_penalty,
     )
 
 
@@ -218,21 +233,36 @@ def eval_modules(*models) -> Iterator[None]:
 
 @torch.no_grad()
 def make_experience(
-    rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
+    rollout: Rollout,
+    actor,
+    reference,
+    critic,
+    reward_model,
+    shaping: Shaping,
+    device: torch.device,
+    baselines: torch.Tensor | None = None,
 ) -> Experience:
-    """Score a rollout with the four models and compute rewards and advantages. The old
+    """Score a rollout with the four models (three without a critic: ``critic`` None) and
+    compute rewards and advantages (``baselines``: (B,) ReMax's greedy-answer rewards). The old
     log-probs are the rollout's own when it carries them, else a forward of the actor.
 
     The trained models are switched to eval mode at the module, not the DeepSpeed engine: the
     hybrid engine's ``engine.eval()`` swaps in its inference kernels, and the old log-probs
     must come from the training kernels the update uses. (Every dropout of a trained PPO model
     is 0, rlhf.validate checks it, so eval and train mode compute the same function.)"""
-    with eval_modules(actor, critic):
-        return _score(rollout, actor, reference, critic, reward_model, shaping, device)
+    with eval_modules(*(m for m in (actor, critic) if m is not None)):
+        return _score(rollout, actor, reference, critic, reward_model, shaping, device, baselines)
 
 
 def _score(
-    rollout: Rollout, actor, reference, critic, reward_model, shaping: Shaping, device: torch.device
+    rollout: Rollout,
+    actor,
+    reference,
+    critic,
+    reward_model,
+    shaping: Shaping,
+    device: torch.device,
+    baselines: torch.Tensor | None,
 ) -> Experience:
     sequences = rollout.sequences.to(device)
     attention_mask = rollout.attention_mask.to(device)
@@ -255,22 +285,14 @@ def _score(
     else:
         old_logprobs, _ = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
     ref_logprobs, _ = response_logprobs(reference, sequences, attention_mask, start, **logprob_args)
-    old_values = response_values(critic, sequences, attention_mask, start, packing).float()
-    scores = reward_scores(
-        reward_model,
-        sequences,
-        attention_mask,
-        rollout.prompt_width,
-        rollout.response_mask.to(device),
-        shaping.score_position,
-        packing,
-    )
-    if shaping.reward_stats is not None:
-        mean, std = shaping.reward_stats
-        scores = (scores - mean) / max(std, 1e-6)
+    if critic is not None:
+        old_values = response_values(critic, sequences, attention_mask, start, packing).float()
+    else:
+        old_values = torch.zeros_like(old_logprobs, dtype=torch.float32)
+    scores = normalised_scores(reward_model, sequences, attention_mask, rollout, shaping, packing)
 
     rewards, kl = algos.compute_rewards(
-        penalised_scores(scores, short, unterminated, shaping),
+        outcome_rewards(scores, short, unterminated, rollout.response_mask.to(device), shaping),
         old_logprobs.float(),
         ref_logprobs.float(),
         response_mask,
@@ -278,7 +300,9 @@ def _score(
         None,  # penalised_scores clipped them
         shaping.kl_estimator,
     )
-    advantages, returns = algos.gae(rewards, old_values, response_mask, shaping.gamma, shaping.lam)
+    advantages, returns = ESTIMATORS[shaping.estimator](
+        shaping, rewards, old_values, response_mask, baselines
+    )
     return Experience(
         sequences,
         attention_mask,
@@ -297,6 +321,42 @@ def _score(
     )
 
 
+def normalised_scores(
+    reward_model, sequences, attention_mask, rollout: Rollout, shaping: Shaping, packing=None
+) -> torch.Tensor:
+    """(B,) the reward's scores of a rollout's answers, normalised by ppo.normalize_reward's
+    statistics. sequences, attention_mask: the rollout's, on the models' device."""
+    scores = reward_scores(
+        reward_model,
+        sequences,
+        attention_mask,
+        rollout.prompt_width,
+        rollout.response_mask.to(sequences.device),
+        shaping.score_position,
+        packing,
+    )
+    if shaping.reward_stats is not None:
+        mean, std = shaping.reward_stats
+        scores = (scores - mean) / max(std, 1e-6)
+    return scores
+
+
+def outcome_rewards(
+    scores: torch.Tensor,
+    short: torch.Tensor,
+    unterminated: torch.Tensor,
+    answer_mask: torch.Tensor,
+    shaping: Shaping,
+) -> torch.Tensor:
+    """(B,) what each answer's last token receives: :func:`penalised_scores` plus DAPO's
+    overlong penalty on its length. answer_mask: (B, R) the generated tokens (before masking)."""
+    lengths = answer_mask.sum(-1)
+    overlong = algos.overlong_penalty(
+        lengths, shaping.max_new_tokens, shaping.overlong_buffer, shaping.overlong_penalty
+    )
+    return penalised_scores(scores, short, unterminated, shaping) + overlong.to(scores.device)
+
+
 def penalised_scores(
     scores: torch.Tensor, short: torch.Tensor, unterminated: torch.Tensor, shaping: Shaping
 ) -> torch.Tensor:
@@ -310,6 +370,67 @@ def penalised_scores(
     if shaping.short_answer_penalty is not None:
         out = torch.where(short, torch.full_like(out, -shaping.short_answer_penalty), out)
     return out
+
+
+# The advantage estimators (ppo.advantage_estimator): each maps a generation batch's
+# (B, R) rewards, values and response mask, and ReMax's (B,) baselines, to (B, R) advantages
+# and returns. A group is contiguous rows (Collector); answers masked out of the losses (mask
+# all False) stay out of their group's statistics.
+
+
+def _gae(shaping: Shaping, rewards, values, mask, baselines):
+    return algos.gae(rewards, values, mask, shaping.gamma, shaping.lam)
+
+
+def _answer_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return algos.masked_sum(rewards, mask, dim=-1)  # (B,): the score, less any KL in the reward
+
+
+def _grpo(shaping: Shaping, rewards, values, mask, baselines):
+    scores = _answer_rewards(rewards, mask)
+    per_answer = algos.group_advantages(
+        scores, shaping.group_size, shaping.std_normalize, mask.any(-1)
+    )
+    advantages = algos.token_advantages(per_answer, mask)
+    return advantages, advantages
+
+
+def _rloo(shaping: Shaping, rewards, values, mask, baselines):
+    per_answer = algos.rloo_advantages(
+        _answer_rewards(rewards, mask), shaping.group_size, mask.any(-1)
+    )
+    advantages = algos.token_advantages(per_answer, mask)
+    return advantages, advantages
+
+
+def _reinforce_pp(shaping: Shaping, rewards, values, mask, baselines):
+    returns = algos.discounted_returns(rewards, mask, shaping.gamma)  # whitened later: whitens
+    return returns, returns
+
+
+def _remax(shaping: Shaping, rewards, values, mask, baselines):
+    advantages = algos.remax_advantages(rewards, baselines, mask)
+    return advantages, advantages
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": _gae,
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+    "remax": _remax,
+}
+# the estimators whose baseline is the reward of a greedy answer to the same prompt
+GREEDY_BASELINE = ("remax",)
+
+
+def whitens(ppo: PPOConfig) -> bool:
+    """Whether an iteration's advantages are whitened over the rollout: REINFORCE++ always
+    (its baseline), GAE with ppo.whiten_advantages, the group estimators never (their
+    advantages are already relative to the prompt's other answers)."""
+    if ppo.advantage_estimator == "gae":
+        return ppo.whiten_advantages
+    return ppo.advantage_estimator == "reinforce_pp"
 
 
 def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
@@ -331,6 +452,47 @@ def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
         )
         for e in experiences
     ]
+
+
+def keep_varied_groups(
+    experiences: list[Experience],
+    group_size: int,
+    draw: Callable[[int], Experience],
+    max_rounds: int,
+) -> tuple[list[Experience], dict[str, float]]:
+    """DAPO's dynamic sampling on this rank's rollout: the groups whose answers' rewards are all
+    equal (their advantages are 0) are dropped, and more generation batches are drawn
+    (``draw(round)``, round = 1, 2, ...) until every rank holds as many groups with a spread as
+    it generated at first, at most ``max_rounds`` times; groups of equal rewards fill what is
+    then still missing. Every rank keeps its batch size and runs the same rounds (generation
+    and scoring are collective under ZeRO-3). Returns the batch, one Experience, and
+    ppo/groups_dropped, ppo/groups_padded (equal groups left out and kept, all ranks) and
+    ppo/sampling_rounds."""
+    target = sum(len(e.scores) for e in experiences) // group_size
+    varied: list[Experience] = []
+    equal: list[Experience] = []
+
+    def sort(e: Experience) -> None:
+        spread = algos.varied_groups(_answer_rewards(e.rewards, e.response_mask), group_size)
+        rows = spread.repeat_interleave(group_size)
+        varied.append(e.rows(rows.nonzero().squeeze(1)))
+        equal.append(e.rows((~rows).nonzero().squeeze(1)))
+
+    def groups(parts: list[Experience]) -> int:
+        return sum(len(e.scores) for e in parts) // group_size
+
+    for e in experiences:
+        sort(e)
+    rounds = 0
+    while rounds < max_rounds and all_reduce_sum(float(groups(varied) < target))[0] > 0:
+        rounds += 1
+        sort(draw(rounds))
+    padded = max(target - groups(varied), 0)
+    batch = concat([*varied, *equal])  # varied groups first: the padding comes last
+    batch = batch.rows(torch.arange(target * group_size, device=batch.scores.device))
+    dropped, padded = all_reduce_sum(groups(equal) - padded, padded)
+    stats = {"ppo/groups_dropped": dropped, "ppo/groups_padded": padded}
+    return [batch], {**stats, "ppo/sampling_rounds": rounds}
 
 
 def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
@@ -456,6 +618,19 @@ def trainer_logprobs(actor, exp: Experience, shaping: Shaping) -> torch.Tensor:
     return logprobs.float()
 
 
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Inside, torch's RNG (CPU, and the device's) starts from ``seed``; outside it continues
+    as if nothing had drawn from it. seed None: nothing changes."""
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 @dataclass
 class Collector:
     """Rollouts of the actor for batches of prompts, scored by the four models into
@@ -472,15 +647,29 @@ class Collector:
     gap: LogprobGap = field(default_factory=LogprobGap)
 
     def __call__(
-        self, prompt_ids: list[list[int]], shaping: Shaping, measure_gap: bool = False
+        self,
+        prompt_ids: list[list[int]],
+        shaping: Shaping,
+        measure_gap: bool = False,
+        seed: int | None = None,
     ) -> Experience:
-        """One generation batch scored. ``measure_gap``: also compare the sampler's log-probs
-        with the training forward's (a second actor forward when the rollout's are used)."""
+        """One generation batch scored: ``shaping.group_size`` answers to each prompt, in
+        contiguous rows (a group stays on its prompt's rank). ``measure_gap``: also compare the
+        sampler's log-probs with the training forward's (a second actor forward when the
+        rollout's are used). ``seed``: sample from this seed (the process's RNG is left as it
+        was), so the answers do not depend on what this rank sampled before."""
         models = self.models
         self.speed.start()
         record = self.rollout_logprobs or measure_gap
-        rollout = self.generate(prompt_ids, shaping.temperature if record else None)
-        self.speed.stop(int(rollout.response_mask.sum()), len(prompt_ids))
+        group_prompts = [ids for ids in prompt_ids for _ in range(shaping.group_size)]
+        with seeded(seed, model_device(models.actor)):
+            rollout = self.generate(group_prompts, shaping.temperature if record else None)
+        tokens = int(rollout.response_mask.sum())
+        baselines = None
+        if shaping.estimator in GREEDY_BASELINE:
+            baselines, greedy_tokens = self.greedy_baselines(prompt_ids, shaping)
+            tokens += greedy_tokens
+        self.speed.stop(tokens, len(group_prompts))
         sampled = rollout.logprobs
         if not self.rollout_logprobs:
             rollout = rollout._replace(logprobs=None)  # make_experience recomputes them
@@ -492,6 +681,7 @@ class Collector:
             models.reward,
             shaping,
             model_device(models.actor),
+            baselines,
         )
         if measure_gap:
             trained = exp.old_logprobs if rollout.logprobs is None else None
@@ -500,10 +690,33 @@ class Collector:
             self.gap.add(sampled, trained, rollout.response_mask)
         return exp
 
-    def generate(self, prompt_ids: list[list[int]], logprobs_temperature: float | None) -> Rollout:
+    @torch.no_grad()
+    def greedy_baselines(
+        self, prompt_ids: list[list[int]], shaping: Shaping
+    ) -> tuple[torch.Tensor, int]:
+        """ReMax's baselines: (B x group_size,) the reward of a greedy answer to each prompt
+        (scored, normalised and penalised as the sampled answers are), repeated over the
+        prompt's group; and the greedy answers' token count."""
+        rollout = self.generate(prompt_ids, None, replace(self.sampling, greedy=True))
+        device = model_device(self.models.actor)
+        sequences, attention_mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
+        answer_mask = rollout.response_mask.to(device)
+        short = answer_mask.sum(-1) < shaping.min_response_tokens
+        unterminated = ~rollout.ended.to(device)
+        scores = normalised_scores(self.models.reward, sequences, attention_mask, rollout, shaping)
+        baselines = outcome_rewards(scores, short, unterminated, answer_mask, shaping)
+        return baselines.repeat_interleave(shaping.group_size), int(answer_mask.sum())
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        logprobs_temperature: float | None,
+        sampling: Sampling | None = None,
+    ) -> Rollout:
         """DeepSpeed-Chat's order: ``engine.eval()`` (the hybrid engine swaps in its inference
         kernels and its generate) -> generate -> ``engine.train()`` (the training kernels back
-        before any log-prob, value or update). A plain engine only switches dropout."""
+        before any log-prob, value or update). A plain engine only switches dropout.
+        ``sampling``: other settings than the rollouts' (ReMax's greedy baseline)."""
         actor = self.models.actor
         actor.eval()
         try:
@@ -512,7 +725,7 @@ class Collector:
                 prompt_ids,
                 self.pad_id,
                 self.eot,
-                self.sampling,
+                sampling or self.sampling,
                 synced_gpus=self.cfg.actor.zero.stage == 3 and world_size() > 1,
                 logprobs_temperature=logprobs_temperature,
             )

@@ -37,15 +37,16 @@ from rlhf.rl.rewards import RewardFunction
 class Models(NamedTuple):
     actor: object  # DeepSpeed engine around the causal LM (PEFT-wrapped with LoRA)
     reference: object  # frozen copy of the SFT model
-    critic: object  # DeepSpeed engine around a ValueModel, initialised from the reward model
+    critic: object | None  # engine around a ValueModel from the reward model; None: critic-free
     reward: object  # frozen reward model (a ValueModel), or a RewardFunction
     actor_config: object
-    critic_config: object
+    critic_config: object | None
 
 
 def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
-    their twin's ZeRO stage (or offloaded); with ppo.reward_function no reward model is loaded."""
+    their twin's ZeRO stage (or offloaded); with ppo.reward_function no reward model is loaded,
+    with a critic-free estimator (not ppo.uses_critic) no critic."""
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
 
@@ -73,22 +74,9 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         actor, actor_conf, cfg.actor.optim, cfg.actor.lora, cfg.actor.zero.offload, updates
     )
 
-    critic_conf, critic = trained(
-        cfg.critic,
-        lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
-    )
-    critic_config = critic.hf.config
-    if ppo.normalizes_reward:
-        # Returns arrive in normalised reward units. A critic left in the reward model's raw
-        # units starts with value errors of several stds, which GAE passes on as advantages.
-        # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
-        stats = read_stats(cfg.critic.model.path)
-        scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
-    critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
-    refuse_dropout("critic", critic)
-    critic = initialize(
-        critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
-    )
+    critic, critic_config = None, None
+    if ppo.uses_critic:
+        critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained)
 
     reference = initialize_frozen(
         load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype),
@@ -110,8 +98,31 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 
+def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained):
+    """The critic's engine, from the reward export (or a causal LM, with a new value head),
+    and its model's config (for the export)."""
+    critic_conf, critic = trained(
+        cfg.critic,
+        lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
+    )
+    critic_config = critic.hf.config
+    if cfg.ppo.normalizes_reward:
+        # Returns arrive in normalised reward units. A critic left in the reward model's raw
+        # units starts with value errors of several stds, which GAE passes on as advantages.
+        # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
+        stats = read_stats(cfg.critic.model.path)
+        scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
+    critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
+    refuse_dropout("critic", critic)
+    engine = initialize(
+        critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
+    )
+    return engine, critic_config
+
+
 def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_dir: Path) -> None:
-    """actor/ (LoRA merged) and critic/ in save_pretrained format; actor_ema/ with ppo.ema."""
+    """actor/ (LoRA merged) and critic/ (if one was trained) in save_pretrained format;
+    actor_ema/ with ppo.ema."""
 
     def actor_copy():
         copy = AutoModelForCausalLM.from_config(
@@ -127,15 +138,16 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_d
     export_pretrained(
         models.actor.module, cfg.actor.zero.stage, actor_copy, tokenizer, run_dir / "actor"
     )
-    stats = critic_stats(cfg)
-    export_pretrained(
-        models.critic.module.hf,
-        cfg.critic.zero.stage,
-        critic_copy,
-        tokenizer,
-        run_dir / "critic",
-        extra_files={"reward_stats.json": stats} if stats else None,
-    )
+    if models.critic is not None:
+        stats = critic_stats(cfg)
+        export_pretrained(
+            models.critic.module.hf,
+            cfg.critic.zero.stage,
+            critic_copy,
+            tokenizer,
+            run_dir / "critic",
+            extra_files={"reward_stats.json": stats} if stats else None,
+        )
     if ema is not None:
         state = ema.full_state()  # collective; rank 0's only (the others export nothing)
         export_pretrained(

@@ -27,7 +27,9 @@ from rlhf.tracking import plain
 log = logging.getLogger(__name__)
 
 RECIPES = {"sft": sft.run, "reward": reward.run, "ppo": ppo.run, "dpo": dpo.run}
-EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor", "critic"), "dpo": ("model",)}
+# the exports that mark a step complete and that later steps read (PPO writes critic/ too
+# when it trains a critic)
+EXPORTS = {"sft": ("model",), "reward": ("model",), "ppo": ("actor",), "dpo": ("model",)}
 
 
 def pipeline(steps: list[str], uses_reward_model: bool) -> tuple[str, ...]:

@@ -1,5 +1,7 @@
 """Step 3: PPO fine-tuning of the SFT model against the reward model (or a rule-based reward,
-``ppo.reward_function``).
+``ppo.reward_function``), or one of the critic-free estimators (``ppo.advantage_estimator``:
+GRPO, RLOO, REINFORCE++, ReMax), which build no critic and may sample a group of answers per
+prompt; the loop is the same.
 
 DeepSpeed-Chat's step3_rlhf_finetuning, made stable beyond one update per rollout: old
 log-probs and values come from the generating weights with dropout off (PPO disables dropout
@@ -32,6 +34,7 @@ from rlhf.rl.experience import (
     Collector,
     Experience,
     concat,
+    keep_varied_groups,
     kl_controller,
     response_logprobs,
     response_values,
@@ -39,6 +42,7 @@ from rlhf.rl.experience import (
     shaping,
     uses_rollout_logprobs,
     whiten_advantages,
+    whitens,
 )
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.models import (
@@ -94,10 +98,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     ptx = PTXBatches(cfg, tokenizer, eot) if ppo.unsup_coef > 0 else None
     reward_stats, score_position = reward_settings(cfg)
 
-    # 2. the four models
+    # 2. the four models (three: a critic-free estimator builds no critic)
     models = build_models(cfg, tokenizer, dtype, updates)
     models.actor.train()  # updates in train mode (no dropout acts: build_models checks it)
-    models.critic.train()
+    if models.critic is not None:
+        models.critic.train()
+    else:
+        log.info(
+            "ppo.advantage_estimator=%s: no critic is built; the critic.* keys are ignored but "
+            "critic.model.path, which names the reward model",
+            ppo.advantage_estimator,
+        )
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl = kl_controller(ppo)
     collect = Collector(
@@ -115,11 +126,13 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             world_size(),
         )
     log.info(
-        "PPO: %d prompts, %d iterations of %d prompts x %d PPO epochs, actor ZeRO-%d, "
-        "critic ZeRO-%d, %d rank(s), reward: %s",
+        "PPO (%s): %d prompts, %d iterations of %d prompts x %d answers x %d PPO epochs, actor "
+        "ZeRO-%d, reward model ZeRO-%d, %d rank(s), reward: %s",
+        ppo.advantage_estimator,
         len(prompts),
         iterations,
         plan.global_batch_size,
+        ppo.num_samples_per_prompt,
         ppo.ppo_epochs,
         cfg.actor.zero.stage,
         cfg.critic.zero.stage,
@@ -129,6 +142,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first
     engines = {"actor": models.actor, "critic": models.critic}
+    engines = {name: engine for name, engine in engines.items() if engine is not None}
     run = Run(
         cfg, info, "ppo", engines, iterations, shown=("ppo/reward", "ppo/kl"), started=started
     )
@@ -148,7 +162,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     run.extra_files = ema.save if ema is not None else None
     run.evaluate_first(evaluator, models)
 
-    # 4. iterations: generate -> score -> advantages -> PPO epochs -> EMA, KL coefficient
+    # 4. iterations: generate -> score -> advantages (-> dynamic sampling) -> PPO epochs -> EMA,
+    # KL coefficient
     gen_speed, train_speed, state = collect.speed, Throughput(), run.state
     with run.training():
         while state.global_step < iterations:
@@ -159,15 +174,29 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             # the logged rows when step.log_interval is a multiple of the interval
             interval = ppo.logprob_gap_interval
             measure_gap = interval > 0 and (state.global_step + 1) % interval == 0
-            experiences = [
-                collect([prompts[i]["prompt_ids"] for i in rows], rules, measure_gap)
-                for rows in batches
+            seeds = [
+                rollout_seed(cfg, state.global_step, k * world_size() + rank())
+                for k in range(len(batches))
             ]
-            if ppo.whiten_advantages:
+            experiences = [
+                collect([prompts[i]["prompt_ids"] for i in rows], rules, measure_gap, seed)
+                for rows, seed in zip(batches, seeds, strict=True)
+            ]
+            group_stats = {}
+            if ppo.dynamic_sampling:  # DAPO: groups of equal rewards out, other prompts' in
+                experiences, group_stats = keep_varied_groups(
+                    experiences,
+                    ppo.num_samples_per_prompt,
+                    lambda round_, rules=rules: collect(
+                        refill_prompts(prompts, cfg, state.global_step, round_), rules
+                    ),
+                    ppo.dynamic_sampling_rounds,
+                )
+            if whitens(ppo):
                 experiences = whiten_advantages(experiences)
 
             train_speed.start()
-            update_stats = ppo_update(models, experiences, cfg, state, ptx, run.guard)
+            update_stats = ppo_update(models, experiences, cfg, state, ptx, run.guard, kl.value)
             train_speed.stop(update_stats.pop("tokens"), plan.global_batch_size)
             rollout_stats = rollout_metrics(experiences)
             if ema is not None:
@@ -176,6 +205,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
             metrics = {
                 **rollout_stats,
+                **group_stats,
                 **(collect.gap.metrics() if measure_gap else {}),
                 **update_stats,
                 "ppo/kl_coef": kl.value,
@@ -205,7 +235,28 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
 def _steps_per_rollout(ppo) -> int:
     rows = ppo.per_device_generation_batch_size * ppo.generation_batches
+    rows *= ppo.num_samples_per_prompt
     return rows // (ppo.per_device_training_batch_size * ppo.grad_accum)
+
+
+def rollout_seed(cfg: Config, step: int, batch: int) -> int | None:
+    """ppo.seed_rollouts: the sampling seed of generation batch ``batch`` (its place among all
+    ranks' batches of the iteration) at iteration ``step``; None: the process's RNG."""
+    if not cfg.ppo.seed_rollouts:
+        return None
+    return (cfg.seed * 1_000_003 + step) * 10_007 + batch
+
+
+def refill_prompts(prompts, cfg: Config, step: int, round_: int) -> list[list[int]]:
+    """Dynamic sampling's extra generation batch: prompts drawn at random from the whole
+    prompt set, a different draw for each rank, iteration and round (so a resumed run draws
+    the same ones)."""
+    seed = ((cfg.seed * 1_000_003 + step) * 101 + round_) * 1_009 + rank()
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(
+        len(prompts), (cfg.ppo.per_device_generation_batch_size,), generator=generator
+    )
+    return [prompts[i]["prompt_ids"] for i in rows.tolist()]
 
 
 def ppo_update(
@@ -215,10 +266,12 @@ def ppo_update(
     state: TrainState,
     ptx,
     guard: NonFiniteGuard,
+    kl_coef: float,
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over this iteration's rollout in shuffled micro batches; each
-    optimizer step is normalised by the response tokens of the whole global step. Stops early
-    when the epoch's approx-KL exceeds ``ppo.target_kl``."""
+    optimizer step is normalised by the response tokens (or answers: ppo.loss_aggregation) of
+    the whole global step. Stops early when the epoch's approx-KL exceeds ``ppo.target_kl``.
+    kl_coef: the KL term's weight with ppo.kl_in_loss."""
     ppo = cfg.ppo
     rollout = concat(experiences)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
@@ -232,7 +285,7 @@ def ppo_update(
                 rollout.rows(rows.to(rollout.scores.device))
                 for rows in step_rows.split(ppo.per_device_training_batch_size)
             ]
-            for key, value in train_step(models, micro, cfg, ptx, guard).items():
+            for key, value in train_step(models, micro, cfg, ptx, guard, kl_coef).items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
             guard.end_step(state.global_step + 1)
         epochs_run += 1
@@ -247,13 +300,17 @@ def ppo_update(
                 ppo.target_kl,
             )
             break
-    targets = max(totals["targets"], 1.0)
-    return {
-        "ppo/actor_loss": totals["actor_loss_sum"] / targets,
+    targets, units = max(totals["targets"], 1.0), max(totals["units"], 1.0)
+    critic = {
         "ppo/critic_loss": totals["critic_loss_sum"] / targets,
+        "ppo/vf_clipfrac": totals["vf_clipfrac_sum"] / targets,
+    }
+    return {
+        "ppo/actor_loss": totals["actor_loss_sum"] / units,
+        **(critic if models.critic is not None else {}),
+        **({"ppo/kl_loss": totals["kl_loss_sum"] / units} if ppo.kl_in_loss else {}),
         "ppo/approx_kl": totals["approx_kl_sum"] / targets,
         "ppo/clipfrac": totals["clipfrac_sum"] / targets,
-        "ppo/vf_clipfrac": totals["vf_clipfrac_sum"] / targets,
         "ppo/entropy": totals["entropy_sum"] / targets,
         "ppo/ratio_max": totals["ratio_max"],
         "ppo/unsup_loss": totals.get("unsup_loss", 0.0) / max(totals["steps"], 1.0),
@@ -263,18 +320,32 @@ def ppo_update(
 
 
 def train_step(
-    models: Models, micro: list[Experience], cfg: Config, ptx, guard: NonFiniteGuard
+    models: Models,
+    micro: list[Experience],
+    cfg: Config,
+    ptx,
+    guard: NonFiniteGuard,
+    kl_coef: float,
 ) -> dict[str, float]:
-    """One optimizer step of the actor and one of the critic over this rank's micro batches."""
+    """One optimizer step of the actor and one of the critic (if any) over this rank's micro
+    batches. The actor's loss is a mean over the global step's tokens or answers
+    (ppo.loss_aggregation): each micro batch's mean is weighted by its share of them."""
     ppo = cfg.ppo
+    aggregation = ppo.loss_aggregation
     local_targets = sum(float(e.response_mask.sum()) for e in micro)
     local_tokens = sum(float(e.attention_mask.sum()) for e in micro)
-    (global_targets, global_tokens) = all_reduce_sum(local_targets, local_tokens)
+    local_units = sum(algos.aggregation_units(e.response_mask, aggregation) for e in micro)
+    global_targets, global_tokens, global_units = all_reduce_sum(
+        local_targets, local_tokens, local_units
+    )
     scale = token_loss_scale(global_targets, world_size(), ppo.grad_accum)
+    actor_scale = token_loss_scale(global_units, world_size(), ppo.grad_accum)
+    clip_low = ppo.clip_range if ppo.clip_low is None else ppo.clip_low
     out = dict.fromkeys(
         (
             "actor_loss_sum",
             "critic_loss_sum",
+            "kl_loss_sum",
             "approx_kl_sum",
             "clipfrac_sum",
             "vf_clipfrac_sum",
@@ -286,9 +357,11 @@ def train_step(
     ratio_max = 0.0
     for exp in micro:
         n = float(exp.response_mask.sum())
+        units = algos.aggregation_units(exp.response_mask, aggregation)
         start = exp.prompt_width - 1
         packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if ppo.packing else None
-        # actor: clipped surrogate (+ entropy bonus, + PTX language modelling)
+        # actor: clipped surrogate (+ entropy bonus, + KL to the reference, + PTX language
+        # modelling)
         logprobs, logits = response_logprobs(
             models.actor,
             exp.sequences,
@@ -303,14 +376,24 @@ def train_step(
             exp.old_logprobs,
             exp.advantages,
             exp.response_mask,
-            ppo.clip_range,
+            clip_low,
             ppo.dual_clip,
+            ppo.clip_high,
+            aggregation,
         )
         # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
         with torch.set_grad_enabled(ppo.entropy_coef > 0):
             per_token = algos.entropy_from_logits(logits.float())
-            entropy = algos.masked_mean(per_token, exp.response_mask)
-        loss = (actor_loss - ppo.entropy_coef * entropy) * n * scale
+            entropy_term = algos.aggregate_loss(per_token, exp.response_mask, aggregation)
+        entropy = algos.masked_mean(per_token.detach(), exp.response_mask)
+        loss = actor_loss - ppo.entropy_coef * entropy_term
+        if ppo.kl_in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
+            kl_term = algos.kl_loss(
+                logprobs, exp.ref_logprobs, exp.response_mask, ppo.kl_estimator, aggregation
+            )
+            loss = loss + kl_coef * kl_term
+            out["kl_loss_sum"] += kl_term.item() * units
+        loss = loss * units * actor_scale
         if ptx is not None:
             unsup = ptx.loss(models.actor)
             # DeepSpeed averages over ranks and divides by grad_accum: this leaves unsup_coef x
@@ -320,26 +403,32 @@ def train_step(
         if guard.finite(loss):
             models.actor.backward(loss)
         models.actor.step()  # every micro batch: DeepSpeed's accumulation boundaries stay aligned
-        # critic: clipped value loss
-        values = response_values(models.critic, exp.sequences, exp.attention_mask, start, packing)
-        critic_loss, vstats = algos.value_loss(
-            values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.clip_range_value
-        )
-        if guard.finite(critic_loss):
-            models.critic.backward(critic_loss * n * scale)
-        models.critic.step()
+        if models.critic is not None:  # critic: clipped value loss
+            values = response_values(
+                models.critic, exp.sequences, exp.attention_mask, start, packing
+            )
+            critic_loss, vstats = algos.value_loss(
+                values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.clip_range_value
+            )
+            if guard.finite(critic_loss):
+                models.critic.backward(critic_loss * n * scale)
+            models.critic.step()
+            out["critic_loss_sum"] += critic_loss.item() * n
+            out["vf_clipfrac_sum"] += vstats["vf_clipfrac"].item() * n
 
-        out["actor_loss_sum"] += actor_loss.item() * n
-        out["critic_loss_sum"] += critic_loss.item() * n
+        out["actor_loss_sum"] += actor_loss.item() * units
         out["approx_kl_sum"] += stats["approx_kl"].item() * n
         out["clipfrac_sum"] += stats["clipfrac"].item() * n
-        out["vf_clipfrac_sum"] += vstats["vf_clipfrac"].item() * n
         out["entropy_sum"] += entropy.item() * n
         ratio_max = max(ratio_max, stats["ratio_max"].item())
     keys = list(out)
     summed = all_reduce_sum(*(out[k] for k in keys))
     result = dict(zip(keys, summed))
     result.update(
-        targets=global_targets, tokens=global_tokens, steps=1.0, ratio_max=max_over_ranks(ratio_max)
+        targets=global_targets,
+        tokens=global_tokens,
+        units=global_units,
+        steps=1.0,
+        ratio_max=max_over_ranks(ratio_max),
     )
     return result
