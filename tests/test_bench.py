@@ -220,3 +220,25 @@ def test_a_tiny_bench_runs_end_to_end(tmp_path):
     assert report["table"]["sft"]["fast"]["mfu"] > 0
     assert ("trl" in report["table"]["sft"]) == bool(bench.trl_version())
     assert "[ok]" in proc.stdout or "[MISS]" in proc.stdout
+
+
+def test_a_run_reports_its_evaluation_time_and_its_share_of_the_wall_time(tmp_path, monkeypatch):
+    """perf/eval_s sums every evaluation (the one before training included) and
+    perf/eval_share divides it by the step's wall time; the bench reads both."""
+    from rlhf.config import Config
+    from rlhf.steps import loop
+    from rlhf.tracking import Throughput
+
+    clock = iter([100.0, 101.0, 104.0, 110.0, 112.0, 120.0])  # start, 2 evaluations, finish
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    cfg = Config()
+    cfg.logger.progress_bar = False
+    info = loop.RunInfo(tmp_path, "run", None, {})
+    run = loop.Run(cfg, info, "sft", {}, total_steps=1)
+    run.evaluate(lambda: {"eval/loss": 1.0})  # 101 -> 104
+    run.evaluate(lambda: {"eval/loss": 0.5})  # 110 -> 112
+    summary = run.finish({}, Throughput())
+    assert summary["perf/eval_s"] == 5.0
+    assert summary["perf/wall_s"] == 20.0
+    assert summary["perf/eval_share"] == 0.25
+    assert json.loads((tmp_path / "summary.json").read_text())["perf/eval_share"] == 0.25

@@ -294,14 +294,19 @@ class Run:
 
     def finish(self, final: dict[str, float], speed: Throughput, **extra: Any) -> dict[str, Any]:
         """The summary (final evaluation, ``extra``, throughput, memory, wall and evaluation
-        time), written to summary.json; the tracker closes."""
+        time, and evaluation's share of the wall time), written to summary.json; the tracker
+        closes."""
+        wall = time.perf_counter() - self.started
         summary = {
             **final,
             **extra,
             **speed.metrics(),
             "perf/peak_mem_gb": max_over_ranks(peak_memory_gb()),
-            "perf/wall_s": time.perf_counter() - self.started,
+            "perf/wall_s": wall,
             "perf/eval_s": self.eval_seconds,
+            # the share of this step's wall time spent evaluating (start-up and export included
+            # in the wall time): what step.eval_interval and the eval sizes cost
+            "perf/eval_share": self.eval_seconds / wall if wall > 0 else 0.0,
             "train/steps": self.state.global_step,
         }
         self.tracker.summary(summary)

@@ -149,9 +149,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 5. final evaluation, score-vs-gold check, export with the score statistics
     final = run.evaluate(evaluator, engine)
     if cfg.reward.gold_policy:
-        gold = gold_correlation(engine, cfg, tokenizer, eval_rows, eot)
-        run.tracker.log(gold, step=state.global_step)
-        final.update(gold)
+        final.update(run.evaluate(gold_correlation, engine, cfg, tokenizer, eval_rows, eot))
     if cfg.step.save_model:
 
         def build_copy():
