@@ -304,7 +304,7 @@ def test_a_plain_run_uses_the_schema_defaults():
     only in what its options choose: the data (data=toy), the step's own values."""
     schema = OmegaConf.to_container(OmegaConf.structured(Config))
     own = {
-        "sft": {"step.name"},
+        "sft": {"step.name", "optim.lr", "optim.micro_batch_size", "optim.epochs"},
         "reward": {"step.name", "optim.lr"},
         "ppo": {"step.name", "step.eval_interval"},
         "dpo": {"step.name", "optim.lr", "optim.epochs", "model.dropout"},
