@@ -140,6 +140,9 @@ def run_step(
     info = RunInfo(run_dir, run_name, group, resolved)
     try:
         device = engine.device_type(config.device)
+        note = engine.shm_comm_build_note(device)
+        if note and dist.rank() == 0:
+            log.info(note)
         dist.init_distributed(device)  # torn down at exit
         _quiet_libraries(is_main=dist.is_main())
         if steps is not None:
@@ -241,7 +244,14 @@ def _share_run_time() -> None:
     from rlhf import dist, engine
 
     requested = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("device=")), "auto")
-    dist.init_distributed(engine.device_type(requested))
+    try:
+        device = engine.device_type(requested)
+        note = engine.shm_comm_build_note(device)  # before the logging is set up: printed
+    except ConfigError as err:
+        _fail(err)
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
+    dist.init_distributed(device)
     os.environ[_RUN_TIME_ENV] = dist.from_main(datetime.now().isoformat())
 
 

@@ -130,7 +130,8 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig
     return skippable(torch.optim.AdamW(groups, **kwargs))
 
 
-# DeepSpeed compiles its CPU Adam on first use with torch's cpp_extension, which holds a lock
+# DeepSpeed compiles its CPU Adam on first use (and, on CPU, its shared-memory collectives when
+# the process group starts) with torch's cpp_extension, which holds a lock
 # file in the build directory while it builds and waits, without a word and without end, while
 # someone else's lock is there. A build that was interrupted leaves its lock behind.
 CPU_ADAM = "cpu_adam"  # the op's name, and its build directory's
@@ -163,6 +164,11 @@ def cpu_adam_lock_problem(key: str, build_dir: Path | None = None) -> str | None
     """A build lock that nobody holds any more: the first offload run would wait on it
     forever. A fresh lock (another process about to build) is left alone."""
     build_dir = build_dir or cpu_adam_build_dir()
+    return build_lock_problem(f"{key}=true", "DeepSpeed's CPU Adam", build_dir)
+
+
+def build_lock_problem(setting: str, what: str, build_dir: Path) -> str | None:
+    """The message for a stale build lock in ``build_dir`` (None: no lock, or a live one)."""
     lock = build_dir / "lock"
     if not lock.exists():
         return None
@@ -171,9 +177,46 @@ def cpu_adam_lock_problem(key: str, build_dir: Path | None = None) -> str | None
     if building or age < (60 if building is False else 600):
         return None
     return (
-        f"{key}=true: DeepSpeed's CPU Adam would wait forever on the build lock {lock}, left "
+        f"{setting}: {what} would wait forever on the build lock {lock}, left "
         f"{age / 60:.0f} min ago by a build that did not finish (no process is building it "
         f"now); remove it (rm {lock}) and run again"
+    )
+
+
+def shm_comm_build_dir() -> Path | None:
+    """Where torch builds DeepSpeed's shared-memory collectives, which its CPU accelerator
+    compiles when the process group starts; None where it has none or they were built when
+    DeepSpeed was installed."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.NAME):
+        return None
+    if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None  # DeepSpeed skips them
+    return Path(_get_build_directory(builder.NAME, verbose=False))
+
+
+def shm_comm_build_note(device: str) -> str | None:
+    """Before the process group starts: the line to print when DeepSpeed is about to compile
+    its CPU collectives (the first run on a machine, about a minute with nothing said). A stale
+    lock there, which would make every run wait without end, is a ConfigError."""
+    build_dir = shm_comm_build_dir() if device == "cpu" else None
+    if build_dir is None:
+        return None
+    problem = build_lock_problem(
+        f"device={device}", "DeepSpeed's shared-memory collectives (CPU)", build_dir
+    )
+    if problem:
+        raise ConfigError(problem)
+    if any(build_dir.glob("*.so")):
+        return None
+    return (
+        f"building DeepSpeed's shared-memory collectives (CPU), first time only (about a "
+        f"minute) in {build_dir}"
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -599,6 +600,101 @@ def test_a_stale_build_lock_is_found_and_a_live_one_left_alone(tmp_path):
     finally:
         builder.kill()
         builder.wait()
+
+
+def test_an_offload_run_stops_at_a_stale_build_lock_instead_of_hanging(tmp_path, cache_dir):
+    """An interrupted first build left its lock: torch would wait on it without end when
+    DeepSpeed loads its CPU Adam. The run says where the lock is before building anything."""
+    import os
+    import time
+
+    lock = tmp_path / "extensions" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    two_hours_ago = time.time() - 7200
+    os.utime(lock, (two_hours_ago, two_hours_ago))
+    proc = run_rlhf(
+        ["step=sft", "zero=stage1", "zero.offload=true", *FAST, *cache_overrides(cache_dir)],
+        run_dir=tmp_path / "run",
+        check=False,
+        timeout=240,  # a hang fails here
+        extra_env={**NO_TRACE, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    expected = (
+        f"error: zero.offload=true: DeepSpeed's CPU Adam would wait forever on the build lock "
+        f"{lock}, left MINUTES min ago by a build that did not finish (no process is building it "
+        f"now); remove it (rm {lock}) and run again"
+    )
+    pattern = re.escape(expected).replace("MINUTES", "12[01]")  # the run's own seconds
+    assert re.fullmatch(pattern, proc.stderr.strip()), proc.stderr
+    assert lock.exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_cpu_collectives_build_is_announced_and_a_stale_lock_refused(tmp_path, monkeypatch):
+    """On CPU, DeepSpeed compiles its shared-memory collectives when the process group starts:
+    a line first, and a lock an interrupted build left is an error instead of a hang."""
+    import os
+    import time
+
+    from rlhf import engine
+
+    real = engine.shm_comm_build_dir()  # DS_ACCELERATOR=cpu: torch's build directory for them
+    assert real is None or (real.name, real.parent) == (
+        "deepspeed_shm_comm",
+        engine.cpu_adam_build_dir().parent,
+    )
+    monkeypatch.setattr(engine, "shm_comm_build_dir", lambda: tmp_path)
+    note = engine.shm_comm_build_note("cpu")
+    assert note == (
+        "building DeepSpeed's shared-memory collectives (CPU), first time only (about a minute) "
+        f"in {tmp_path}"
+    )
+    assert engine.shm_comm_build_note("cuda") is None
+    (tmp_path / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert engine.shm_comm_build_note("cpu") is None  # built before: nothing to say
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert engine.shm_comm_build_note("cpu") is None  # fresh: another run is building
+    two_hours_ago = time.time() - 7200
+    os.utime(lock, (two_hours_ago, two_hours_ago))
+    with pytest.raises(ConfigError) as err:
+        engine.shm_comm_build_note("cpu")
+    assert str(err.value).startswith(
+        f"device=cpu: DeepSpeed's shared-memory collectives (CPU) would wait forever on the "
+        f"build lock {lock}, left 120 min ago"
+    )
+    assert str(err.value).endswith(f"remove it (rm {lock}) and run again")
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_run_stops_at_a_stale_collectives_lock_instead_of_hanging(nproc, tmp_path, cache_dir):
+    import os
+    import time
+
+    lock = tmp_path / "extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    two_hours_ago = time.time() - 7200
+    os.utime(lock, (two_hours_ago, two_hours_ago))
+    proc = run_rlhf(
+        ["step=sft", *FAST, *cache_overrides(cache_dir)],
+        run_dir=tmp_path / "run",
+        nproc=nproc,
+        check=False,
+        timeout=240,  # a hang fails here
+        extra_env={**NO_TRACE, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")},
+    )
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and set(errors) == {errors[0]}, proc.stderr[-3000:]  # every rank says it
+    assert errors[0].startswith(
+        f"error: device=cpu: DeepSpeed's shared-memory collectives (CPU) would wait forever on "
+        f"the build lock {lock}, left 12"
+    )
+    if nproc == 1:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert lock.exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_the_first_cpu_adam_build_is_announced(tmp_path, monkeypatch, caplog):

@@ -280,6 +280,39 @@ def test_a_saved_dataset_source_is_cached_outside_its_folder(tmp_path, tokenizer
     assert not any(d.endswith(key[:20]) for d in _dirs(cache))
 
 
+def test_the_other_ranks_take_rank_0s_key_and_never_build(tmp_path, tokenizer, monkeypatch):
+    """A rank other than 0 neither computes the key (its view of the user's folder may differ
+    from rank 0's) nor builds: it reads the entry named by the key rank 0 sends."""
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list(_unique_rows(60)).save_to_disk(str(folder))
+    data = _data(folder, tmp_path / "cache")
+    eot = tokenizer.eos_token_id
+    key = pipeline.cache_key(data, "sft", "train", tokenizer, eot)
+    built = phase_dataset(data, "sft", "train", tokenizer, eot)  # rank 0's entry
+    (folder / "notes.txt").write_text("added after rank 0 looked")  # this rank's key would differ
+    assert pipeline.cache_key(data, "sft", "train", tokenizer, eot) != key
+    sent = []
+
+    def from_rank_0(value):
+        sent.append(value)
+        return key
+
+    def no_key(*args):
+        raise AssertionError("only rank 0 computes the key")
+
+    def no_build(*args):
+        raise AssertionError("only rank 0 builds")
+
+    monkeypatch.setattr(pipeline, "is_main", lambda: False)
+    monkeypatch.setattr(pipeline, "from_main", from_rank_0)
+    monkeypatch.setattr(pipeline, "cache_key", no_key)
+    monkeypatch.setattr(pipeline, "_build", no_build)
+    rows = phase_dataset(data, "sft", "train", tokenizer, eot)
+    assert sent == [None] and rows["prompt_ids"] == built["prompt_ids"]
+
+
 @pytest.mark.slow
 def test_two_ranks_read_one_entry_of_a_saved_dataset(tmp_path):
     """Two ranks on a save_to_disk source: rank 0 builds the entry under the cache dir, rank 1
