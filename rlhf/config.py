@@ -449,8 +449,9 @@ class PPOConfig:
     generation_cache: str = "dynamic"
     # drop each answer from the decoding batch and its KV cache as soon as it ends, so later
     # steps compute only the answers still running (our decoding loop with HF's samplers; needs
-    # stop_at_eos and the dynamic cache; ZeRO-3 on several ranks uses HF generate regardless)
-    drop_finished_rows: bool = False
+    # stop_at_eos and the dynamic cache; ZeRO-3 on several ranks uses HF generate regardless).
+    # null: on wherever it applies (stop_at_eos, the dynamic cache), HF generate elsewhere
+    drop_finished_rows: bool | None = None
     # old log-probs from the logits the sampling pass already computed (the generating weights,
     # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does.
     # null: true in fp32, false in bf16 / fp16, whose KV-cached decoding computes other logits
@@ -466,8 +467,10 @@ class PPOConfig:
     # prompts (2 ranks sample what 1 process samples) or on what was drawn before
     seed_rollouts: bool = False
     # the experience and update passes run over the rollout's rows packed end to end
-    # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width
-    packing: bool = False
+    # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width.
+    # null: on where every PPO model's attention takes a 4D mask (OPT, Llama with eager or sdpa
+    # attention), padded elsewhere (logged)
+    packing: bool | None = None
     # -- reward shaping
     # weight of the per-token KL penalty to the reference in the reward (DeepSpeed-Chat's: 0.1;
     # on the embedded default 0.2 keeps the held-out answers' correctness where SFT left it while

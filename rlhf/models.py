@@ -213,6 +213,27 @@ def load_value_model(
     return ValueModel(hf)
 
 
+# model types whose attention takes a 4D additive mask as given (packed rows, a shared prompt)
+# with eager or sdpa attention; flash attention takes none
+BLOCK_MASK_MODEL_TYPES = ("opt", "llama")
+BLOCK_MASK_ATTENTION = ("eager", "sdpa")
+
+
+def block_mask_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` (a causal LM, a ValueModel, PEFT-wrapped or not) cannot run packed rows
+    through a 4D block-diagonal mask, or None when it can."""
+    hf = module.hf if isinstance(module, ValueModel) else module
+    config = hf.config
+    kind = getattr(config, "model_type", None)
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if kind not in BLOCK_MASK_MODEL_TYPES:
+        known = ", ".join(BLOCK_MASK_MODEL_TYPES)
+        return f"a {kind} model, whose attention is not known to take a 4D mask ({known} are)"
+    if attention not in BLOCK_MASK_ATTENTION:
+        return f"{attention} attention takes no 4D mask (eager and sdpa do)"
+    return None
+
+
 def scale_value_head(value_model: ValueModel, factor: float, zero_stage: int) -> None:
     """Multiply the score head's weights (and bias) by ``factor``: all values scale with it.
     Every rank calls this; under ZeRO-3 the head is gathered, changed on rank 0, re-partitioned."""

@@ -500,3 +500,78 @@ def test_the_rejected_answer_never_sees_the_chosen_one():
     assert allowed[4].tolist() == [True, True, False, False, True, False, False]
     assert allowed[3].tolist() == [True, True, True, True, False, False, False]
     assert allowed[6].tolist() == [False] * 6 + [True]  # padding sees padding only
+
+
+# -- on by default where they apply ------------------------------------------------------------
+
+
+def tiny_llama(attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(13)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN + 16,
+        pad_token_id=PAD,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("keys", "drops"),
+    [
+        ({}, True),  # null: on wherever it applies
+        ({"stop_at_eos": False}, False),
+        ({"generation_cache": "static"}, False),
+        ({"drop_finished_rows": False}, False),
+        ({"drop_finished_rows": True}, True),
+    ],
+)
+def test_dropping_finished_answers_is_on_by_default_wherever_it_applies(keys, drops):
+    from rlhf.config import PPOConfig
+    from rlhf.rl.generation import drops_finished_rows
+
+    ppo = PPOConfig(**keys)
+    assert drops_finished_rows(ppo) == drops
+    assert not [p for p in ppo.problems() if p[0] == "drop_finished_rows"]
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_packing_is_on_for_the_architectures_whose_attention_takes_the_block_mask(arch):
+    from rlhf.models import block_mask_problem
+
+    for attn in ("eager", "sdpa"):
+        lm = tiny_lm(attn=attn) if arch == "opt" else tiny_llama(attn)
+        assert block_mask_problem(lm) is None
+        # and the packed rows give that architecture's padded log-probs
+        rows = random_rows(5, seed=17, max_part=10)
+        prompt_ids, prompt_mask = left_pad([r["prompt_ids"] for r in rows], PAD)
+        answer_ids, kept = right_pad([r["chosen_ids"] for r in rows], PAD)
+        sequences = torch.cat([prompt_ids, answer_ids], 1)
+        mask = torch.cat([prompt_mask, kept], 1)
+        start, kept = prompt_ids.shape[1] - 1, kept.bool()
+        with torch.no_grad():
+            padded, _ = response_logprobs(lm, sequences, mask, start)
+            packed, _ = response_logprobs(
+                lm, sequences, mask, start, packing=pack_rows(sequences, mask, PAD)
+            )
+        torch.testing.assert_close(packed[kept], padded[kept], atol=1e-5, rtol=0)
+    assert block_mask_problem(tiny_scorer()) is None
+
+
+def test_packing_falls_back_to_padded_rows_where_the_mask_is_not_taken():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf.models import block_mask_problem
+
+    lm = tiny_lm()
+    lm.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
+    assert "flash_attention_2" in block_mask_problem(lm)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4))
+    assert "gpt2" in block_mask_problem(gpt2)

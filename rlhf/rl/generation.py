@@ -52,8 +52,17 @@ def rollout_sampling(cfg: Config, max_new_tokens: int) -> Sampling:
         ppo.stop_at_eos,
         data.max_prompt_len if data.pad_to_max_len else None,
         ppo.generation_cache,
-        ppo.drop_finished_rows,
+        drops_finished_rows(ppo),
     )
+
+
+def drops_finished_rows(ppo) -> bool:
+    """ppo.drop_finished_rows resolved: null drops finished answers wherever it applies (answers
+    stop at end-of-text and the cache is the dynamic one); generate() still keeps HF's generate
+    under ZeRO-3 on several ranks."""
+    if ppo.drop_finished_rows is None:
+        return ppo.stop_at_eos and ppo.generation_cache == "dynamic"
+    return ppo.drop_finished_rows
 
 
 class Rollout(NamedTuple):

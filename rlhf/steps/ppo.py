@@ -28,7 +28,7 @@ from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
-from rlhf.models import end_of_text_id, read_stats
+from rlhf.models import block_mask_problem, end_of_text_id, read_stats
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
@@ -109,6 +109,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "critic.model.path, which names the reward model",
             ppo.advantage_estimator,
         )
+    if ppo.packing is None:  # packed rows wherever every model's attention takes their mask
+        ppo = replace(ppo, packing=packs_rows(models))
+        cfg = replace(cfg, ppo=ppo)
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl = kl_controller(ppo)
     collect = Collector(
@@ -119,7 +122,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         rollout_sampling(cfg, max_new_tokens(cfg)),
         rollout_logprobs=uses_rollout_logprobs(cfg, dtype),
     )
-    if ppo.drop_finished_rows and cfg.actor.zero.stage == 3 and world_size() > 1:
+    if collect.sampling.drop_finished and cfg.actor.zero.stage == 3 and world_size() > 1:
         log.info(
             "ppo.drop_finished_rows: ZeRO-3 on %d ranks needs every rank at every decoding "
             "step, so rollouts use HF generate with synced_gpus",
@@ -231,6 +234,17 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "eval/hacking_warnings": evaluator.warnings,
         },
     )
+
+
+def packs_rows(models: Models) -> bool:
+    """ppo.packing=null resolved: true when every PPO model's attention takes a 4D mask, else
+    false with one log line saying which does not."""
+    trained = (models.actor, models.reference, models.critic, models.reward)
+    modules = [getattr(m, "module", m) for m in trained if isinstance(m, torch.nn.Module)]
+    problems = [p for p in map(block_mask_problem, modules) if p]
+    if problems:
+        log.info("ppo.packing: rows stay padded (%s)", problems[0])
+    return not problems
 
 
 def _steps_per_rollout(ppo) -> int:

@@ -321,9 +321,14 @@ BASELINE_PADDING = [
     "data.group_by_length=false",
     "optim.dynamic_batch=false",
 ]
-# ... and PPO prompts padded to max_prompt_len, every answer generated to the cap, and a second
-# actor forward for the old log-probs
-PPO_BASELINE = ["data.pad_to_max_len=true", "ppo.stop_at_eos=false", "ppo.rollout_logprobs=false"]
+# ... and PPO prompts padded to max_prompt_len, every answer generated to the cap, a second actor
+# forward for the old log-probs, and every pass over padded rows
+PPO_BASELINE = [
+    "data.pad_to_max_len=true",
+    "ppo.stop_at_eos=false",
+    "ppo.rollout_logprobs=false",
+    "ppo.packing=false",
+]
 
 
 def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list[str] | None]:
