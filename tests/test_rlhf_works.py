@@ -1,0 +1,51 @@
+"""The headline on a reduced embedded default: SFT -> reward -> PPO raises held-out gold accuracy.
+
+Reduced: 10000 toy rows split 4:3:3 (SFT keeps its 4000 demonstrations, the size it needs to
+answer held-out questions right; the reward model gets 3000 pairs, PPO 3000 prompts, 94
+iterations) and 64 held-out prompts per evaluation. At that size (measured: README, issue 14's
+closing note) SFT's greedy answers carry the demonstrators' habits (gold ~0.1 with gold_correct
+~0.8) and PPO against the learned reward model takes greedy gold above 0.7; the margins below
+leave room for seed noise, and the run fails them when PPO cannot learn (actor.optim.lr=1e-9
+leaves gold where SFT left it)."""
+
+import pytest
+
+from tests.conftest import cache_overrides, read_metrics, read_summary, run_rlhf
+
+pytestmark = pytest.mark.slow
+
+REDUCED = [
+    "data.sources.toy.num_rows=10000",
+    "data.phase_split=[4,3,3]",
+    "ppo.eval_prompts=64",
+    "ppo.eval_samples=2",
+    "logger.progress_bar=false",
+]
+# measured at this size: greedy gold 0.00 -> 0.84 and sampled 0.13 -> 0.76 after 50 iterations
+MARGIN = 0.4
+
+
+def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
+    run_rlhf(
+        [*REDUCED, *cache_overrides(cache_dir)],
+        run_dir=tmp_path,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    assert read_summary(tmp_path / "reward")["eval/accuracy"] >= 0.8  # measured: 0.87
+    check_ppo_learned(tmp_path / "ppo")
+
+
+def check_ppo_learned(ppo_dir):
+    """The PPO run's held-out evaluations: first (the SFT model) against last."""
+    evals = [r for r in read_metrics(ppo_dir) if "eval/gold_accuracy" in r]
+    start, end = evals[0], evals[-1]
+    assert start["step"] == 0 and len(evals) >= 2
+    # greedy: the habits go, the right values stay
+    assert end["eval/gold_accuracy"] - start["eval/gold_accuracy"] >= MARGIN
+    assert end["eval/gold_clean"] >= 0.9
+    assert end["eval/gold_correct"] >= start["eval/gold_correct"] - 0.1
+    # sampled: the policy's own distribution moved, not only its mode
+    assert end["eval/gold_accuracy_sampled"] - start["eval/gold_accuracy_sampled"] >= MARGIN
+    summary = read_summary(ppo_dir)
+    assert summary["eval/kl"] > 0
+    assert summary["eval/hacking_warnings"] == 0
