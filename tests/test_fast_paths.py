@@ -326,9 +326,12 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
         reward_stats=None,
     )
     out = {}
-    # fast: stop at the end, log-probs from the rollout, packed rows; baseline: DeepSpeed-Chat's
+    # fast: stop at the end, drop finished answers, log-probs from the rollout, packed rows;
+    # baseline: DeepSpeed-Chat's (greedy rollouts: issue 19's KL anomaly)
     for fast in (True, False):
-        sampling = Sampling(24, greedy=True, stop_at_eos=fast, prompt_width=None if fast else 9)
+        sampling = Sampling(
+            24, greedy=True, stop_at_eos=fast, prompt_width=None if fast else 9, drop_finished=fast
+        )
         rollout = generate(
             actor, COUNTING_PROMPTS, PAD, END, sampling, False, 1.0 if fast else None
         )
@@ -356,7 +359,16 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
     torch.testing.assert_close(a0, a1, atol=1e-5, rtol=0)
     torch.testing.assert_close(c0, c1, atol=1e-5, rtol=0)
     torch.testing.assert_close(early.scores, full.scores, atol=1e-5, rtol=0)
-    for field in ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns"):
+    fields = (
+        "old_logprobs",
+        "ref_logprobs",
+        "kl",
+        "old_values",
+        "rewards",
+        "advantages",
+        "returns",
+    )
+    for field in fields:
         kept = early.response_mask
         torch.testing.assert_close(
             getattr(early, field)[kept], getattr(full, field)[:, :width][kept], atol=1e-5, rtol=0
