@@ -11,6 +11,8 @@ from pathlib import Path
 # torch.save reports a short write as a RuntimeError from its zip writer ("unexpected pos ...",
 # "file write failed"); with this little space left, that is a full disk
 LOW_SPACE = 64 * 2**20
+# the OS's words for ENOSPC / EDQUOT, as native code (Rust, C++) passes them on
+NO_SPACE_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded")
 
 
 def publish_dir(tmp: Path, out: Path) -> None:
@@ -55,6 +57,10 @@ def free_space(path: Path) -> int:
 def out_of_space(err: BaseException, where: Path) -> bool:
     """Whether a failed write failed because the filesystem of ``where`` is full."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # libraries that write in native code report the OS error in their own exception types:
+    # safetensors' SafetensorError "... No space left on device (os error 28)"
+    if any(text in str(err) for text in NO_SPACE_TEXTS):
         return True
     return isinstance(err, RuntimeError) and free_space(where) < LOW_SPACE
 

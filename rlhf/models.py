@@ -330,7 +330,8 @@ def export_pretrained(
             raise RuntimeError(f"export: missing {sorted(missing)}, unexpected {unexpected}")
         if hasattr(copy, "merge_and_unload"):
             copy = copy.merge_and_unload()
-        needed = sum(t.numel() * t.element_size() for t in copy.state_dict().values())
+        tensors = {t.data_ptr(): t for t in copy.state_dict().values()}  # tied: saved once
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
         _write_export(copy, tokenizer, out_dir, extra_files or {}, needed)
     barrier()
 
@@ -353,7 +354,7 @@ def _write_export(copy, tokenizer, out_dir: Path, extra_files: dict[str, dict], 
         for name, payload in extra_files.items():
             (tmp / name).write_text(json.dumps(payload, indent=2))
         replace_dir(tmp, out_dir)
-    except (OSError, RuntimeError) as err:
+    except Exception as err:  # safetensors reports a failed write as its own SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         if not out_of_space(err, out_dir.parent):
             raise

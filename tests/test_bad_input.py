@@ -788,9 +788,25 @@ def test_all_zero_phase_split_says_not_all_zero():
 # --- a full disk: one line with the space needed; nothing half-written is left --------------------
 
 
-def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path):
+def _enospc() -> OSError:
     import errno
 
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def _safetensors_enospc() -> Exception:
+    """What save_pretrained raises on a real full disk: safetensors' own type, not an OSError."""
+    from safetensors import SafetensorError
+
+    return SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    )
+
+
+@pytest.mark.parametrize(
+    "full_disk", [_enospc, _safetensors_enospc], ids=["oserror", "safetensors"]
+)
+def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path, full_disk):
     from rlhf.models import ExportError, export_pretrained
 
     tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
@@ -809,7 +825,7 @@ def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path):
         def save_pretrained(path, **kwargs):
             Path(path).mkdir()
             (Path(path) / "model.safetensors").write_bytes(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise full_disk()
 
         copy.save_pretrained = save_pretrained
         return copy
