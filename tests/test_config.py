@@ -64,7 +64,7 @@ def test_design_groups_have_their_options():
     """The options DESIGN.md promises."""
     promised = {
         "step": "sft reward ppo dpo all",
-        "algo": "ppo dpo",  # the critic-free ones join later
+        "algo": "ppo grpo rloo reinforce_pp remax dr_grpo dapo dpo",
         "model": "tiny opt-125m opt-350m opt-1.3b opt-6.7b opt-13b opt-66b llama-2-7b",
         "data": "toy rm-static full-hh-rlhf synthetic-instruct-gptj-pairwise rlhf-reward-datasets "
         "webgpt-comparisons shp local",

@@ -298,3 +298,59 @@ def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
     assert whole
     for g, h in zip(whole, split, strict=True):
         torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- algo options and the sweep
+
+
+@pytest.mark.parametrize(
+    ("algo", "estimator", "critic_free"),
+    [
+        ("ppo", "gae", False),
+        ("grpo", "grpo", True),
+        ("dr_grpo", "grpo", True),
+        ("dapo", "grpo", True),
+        ("rloo", "rloo", True),
+        ("reinforce_pp", "reinforce_pp", True),
+        ("remax", "remax", True),
+    ],
+)
+def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
+    algo, estimator, critic_free
+):
+    config = validated(compose([f"algo={algo}", *PPO]))
+    assert config.ppo.advantage_estimator == estimator
+    assert config.ppo.uses_critic is not critic_free
+    assert config.pipeline.steps == ["sft", "reward", "ppo"]
+    # the same number of answers per rollout as PPO's
+    ppo = config.ppo
+    assert ppo.per_device_generation_batch_size * ppo.num_samples_per_prompt == 32
+
+
+def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do():
+    grpo, dr, dapo = (
+        validated(compose([f"algo={a}", *PPO])).ppo for a in ("grpo", "dr_grpo", "dapo")
+    )
+    assert (grpo.std_normalize, dr.std_normalize) == (True, False)
+    assert (grpo.loss_aggregation, dr.loss_aggregation) == (
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+    )
+    assert dr.kl_in_loss and dr.kl_coef == grpo.kl_coef  # the rest is GRPO's
+    assert (dapo.clip_range, dapo.clip_high, dapo.kl_coef) == (0.2, 0.28, 0.0)
+    assert dapo.dynamic_sampling and dapo.overlong_buffer > 0
+    assert dapo.loss_aggregation == "token-mean"
+
+
+def test_the_algos_sweep_composes_each_algorithm_on_the_same_start():
+    from tests.conftest import compose_sweep, sweep_axes
+
+    [algos] = sweep_axes("algos").values()
+    assert algos == ["ppo", "grpo", "rloo", "reinforce_pp", "remax", "dpo"]
+    starts = set()
+    for algo in algos:
+        job = validated(compose_sweep("algos", [f"algo={algo}"]))
+        assert job.step.name == "all"
+        assert job.pipeline.steps == (["sft", "dpo"] if algo == "dpo" else ["sft", "reward", "ppo"])
+        starts.add((job.seed, job.data.seed, repr(job.sft), repr(job.model)))
+    assert len(starts) == 1  # one SFT start: same seed, data, SFT settings and model
