@@ -196,12 +196,97 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     assert ("trl" in bench.section_modes("reward", with_trl, "A", "C")) == bool(bench.trl_version())
 
 
+def test_every_run_imports_this_checkouts_rlhf():
+    # the runs start in the checkout with it first on the path: whatever rlhf the environment
+    # installed (an editable install of another tree), the bench measures this code
+    assert bench.REPO == REPO and (REPO / "rlhf" / "tools" / "bench.py").exists()
+    assert bench.run_env(1)["PYTHONPATH"].split(":")[0] == str(REPO)
+
+
 def test_arguments_thread_count_and_sections(tmp_path):
     args = bench.parse_args(["--out", str(tmp_path), "--ranks", "2", "--sections", "sft,ppo"])
     assert args.threads == max(1, bench.CORES // 2)
     assert args.sections == ["sft", "ppo"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "sft,nope"])
+
+
+def test_the_dschat_scenario_takes_deepspeed_chats_shapes_unless_told_otherwise(tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat"])
+    assert (args.dtype, args.ranks, args.zero, args.threads) == (
+        "bf16",
+        2,
+        2,
+        max(1, bench.CORES // 2),
+    )
+    assert (args.micro_batch, args.grad_accum, args.ppo_batch) == (4, 1, 4)
+    assert (args.actor, args.critic) == (bench.Size(256, 4), bench.Size(120, 3))
+    assert (args.max_seq_len, args.max_prompt_len, args.lengths) == (256, 128, "chat")
+    assert args.sections == ["sft", "reward", "ppo"]
+    # SFT 800 rows x 4 epochs, reward 1600 pairs x 1, PPO 40 iterations of 8 prompts (2 ranks)
+    assert [bench.section_steps(s, args) for s in ("sft", "reward", "ppo")] == [400, 200, 40]
+    mine = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--ranks", "1"])
+    assert mine.ranks == 1 and mine.dtype == "bf16"  # an option still overrides the scenario
+    assert bench.parse_args(["--out", str(tmp_path)]).dtype == "fp32"  # the steps scenario
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 0.01])
+def test_the_dschat_rows_split_into_exactly_each_phases_rows(tmp_path, scale):
+    from rlhf.data.split import phase_indices, train_eval_indices
+
+    phases = bench.dschat_rows(scale)
+    if scale == 1.0:
+        assert phases == {"sft": 800, "reward": 1600, "ppo": 320}
+    assert min(phases.values()) >= 8  # one global batch of 2 ranks x 4 rows at least
+    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--scale", str(scale)])
+    overrides = dict(o.split("=", 1) for o in bench.data_overrides(args, tmp_path / "d.jsonl"))
+    split = [int(w) for w in overrides["data.phase_split"].strip("[]").split(",")]
+    fraction = float(overrides["data.sources.local.eval_fraction"])
+    train, _ = train_eval_indices(args.rows, fraction, seed=1234)
+    sizes = [len(phase_indices(len(train), split, k, 1234)) for k in range(3)]
+    assert sizes == [phases["sft"], phases["reward"], phases["ppo"]]
+    assert bench.section_steps("ppo", args) * 8 <= phases["ppo"]
+
+
+def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--no-trl"])
+    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    for mode in ("fast", "baseline"):  # DeepSpeed-Chat decodes greedily: equal answer lengths
+        assert "ppo.greedy=true" in ppo[mode]
+        assert "ppo.per_device_generation_batch_size=4" in ppo[mode]
+        assert "ppo.max_new_tokens=128" in ppo[mode]
+    # prompts padded to 128, answers to the cap, old log-probs recomputed, no evaluation but
+    # rlhf's final one (2 prompts)
+    assert set(bench.PPO_BASELINE) | set(bench.DSCHAT_PPO_BASELINE_EVAL) <= set(ppo["baseline"])
+    assert not set(bench.PPO_BASELINE) & set(ppo["fast"])
+    sft = bench.section_modes("sft", args, "ACTOR", "CRITIC")
+    assert set(bench.BASELINE_PADDING) <= set(sft["baseline"])
+    assert "optim.epochs=4" in sft["baseline"] and "optim.epochs=4" in sft["fast"]
+    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
+    assert "optim.epochs=1" in reward["baseline"]
+    # whole runs: evaluated before training and after each epoch, exported, as both do
+    shared = bench.run_overrides(args, 400)
+    assert {"step.eval_at_start=true", "step.save_model=true", "zero=stage2"} <= set(shared)
+    run = bench.merged(shared, ppo["baseline"])
+    assert "step.eval_at_start=false" in run and "step.eval_at_start=true" not in run
+    assert len({o.split("=", 1)[0] for o in run}) == len(run)  # no key twice
+
+
+@pytest.mark.slow
+def test_the_dschat_scenario_runs_tiny_end_to_end(tmp_path):
+    cmd = [
+        *(sys.executable, "-m", "rlhf.bench", "--out", str(tmp_path), "--scenario", "dschat"),
+        *("--scale", "0.01", "--repeats", "1", "--no-trl", "--actor", "32x1", "--critic", "32x1"),
+        *("--export-steps", "2", "--max-seq-len", "64", "--max-prompt-len", "32"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    ppo = report["table"]["ppo"]
+    for mode in ("fast", "baseline"):
+        assert ppo[mode]["gen_tokens_per_s"] > 0 and ppo[mode]["tokens_per_s"] > 0
+        assert 0 <= ppo[mode]["eval_share"] < 1
+    assert {"sft: samples/s vs baseline", "ppo: s/iter vs baseline"} <= set(report["ratios"])
 
 
 @pytest.mark.slow

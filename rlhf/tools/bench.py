@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/tools/bench.py -> ..
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 SECTIONS = ("sft", "reward", "ppo", "mfu")
 # (name, what is compared, the fast run must be at least this much better)
@@ -97,6 +97,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-packing", action="store_true", help="fast paths without packing or a shared prompt"
     )
     p.add_argument("--no-trl", action="store_true", help="skip the TRL columns")
+    p.add_argument(
+        "--scenario",
+        default="steps",
+        choices=SCENARIOS,
+        help="steps: short runs of each step (the options above); dschat: DeepSpeed-Chat's "
+        "shapes, whole runs (bf16, 2 ranks, ZeRO-2; see docs/performance.md)",
+    )
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="dschat: its rows and PPO iterations times this"
+    )
+    known, _ = p.parse_known_args(argv)
+    if known.scenario == "dschat":  # its shapes become the defaults; options still override
+        p.set_defaults(**DSCHAT)
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     if unknown := set(args.sections) - set(SECTIONS):
@@ -104,8 +117,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.data and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or directory")
     args.threads = args.threads or max(1, CORES // args.ranks)
+    if args.scenario == "dschat" and not args.data:
+        args.rows, _ = dschat_split(dschat_rows(args.scale))
     args.out = args.out or REPO / "outputs" / "bench" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     return args
+
+
+# --- the DeepSpeed-Chat-shaped scenario (issue 19) ---------------------------------------------
+
+SCENARIOS = ("steps", "dschat")
+# DeepSpeed-Chat's own shapes, as its users run them: bf16 (it accepts only fp16 / bf16), two
+# ranks, ZeRO-2, micro batches of 4 rows a rank, an OPT actor of hidden 256 x 4 layers and a
+# 0.7M critic, chat-length rows (~82 of 256 tokens, prompts <= 128, answers <= 128)
+DSCHAT = dict(
+    dtype="bf16",
+    ranks=2,
+    zero=2,
+    actor=Size(256, 4),
+    critic=Size(120, 3),
+    micro_batch=4,
+    grad_accum=1,
+    ppo_batch=4,
+    max_seq_len=256,
+    max_prompt_len=128,
+    lengths="chat",
+    sections="sft,reward,ppo",
+)
+# whole runs: SFT on 800 rows for 4 epochs, reward on 1600 pairs for 1, PPO 40 iterations of 8
+# prompts (4 a rank), all times --scale
+DSCHAT_RUNS = {"sft": (800, 4), "reward": (1600, 1), "ppo": (320, 1)}
+DSCHAT_PPO_ITERS = 40
+DSCHAT_EVAL_FRACTION = 0.02
+
+
+def dschat_rows(scale: float) -> dict[str, int]:
+    """Rows of each phase of the dschat scenario at ``scale`` (at least one global batch)."""
+    ranks_rows = DSCHAT["ranks"] * DSCHAT["micro_batch"]
+    return {k: max(ranks_rows, round(rows * scale)) for k, (rows, _) in DSCHAT_RUNS.items()}
+
+
+def dschat_iterations(scale: float) -> int:
+    return max(1, round(DSCHAT_PPO_ITERS * scale))
+
+
+def dschat_split(phases: dict[str, int]) -> tuple[int, float]:
+    """The file's rows and the eval fraction that carves out 2% of them (16 at least, so that
+    each phase holds some) and leaves each phase exactly its rows."""
+    train = sum(phases.values())
+    held_out = max(16, round(train * DSCHAT_EVAL_FRACTION / (1 - DSCHAT_EVAL_FRACTION)))
+    return train + held_out, held_out / (train + held_out)
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -160,11 +220,16 @@ def synthetic_rows(
 
 
 def data_overrides(args: argparse.Namespace, data: Path) -> list[str]:
+    split, fraction = "[1,1,1]", DSCHAT_EVAL_FRACTION
+    if args.scenario == "dschat":  # each phase gets exactly its rows
+        phases = dschat_rows(args.scale)
+        split = "[{sft},{reward},{ppo}]".format(**phases)
+        fraction = dschat_split(phases)[1]
     return [
         "data=local",
         f"data.sources.local.path={data}",
-        "data.sources.local.eval_fraction=0.02",
-        "data.phase_split=[1,1,1]",
+        f"data.sources.local.eval_fraction={fraction}",
+        f"data.phase_split={split}",
         "data.max_eval_rows=32",
         f"data.max_seq_len={args.max_seq_len}",
         f"data.max_prompt_len={args.max_prompt_len}",
@@ -174,12 +239,14 @@ def data_overrides(args: argparse.Namespace, data: Path) -> list[str]:
 
 
 def run_overrides(args: argparse.Namespace, steps: int) -> list[str]:
-    """What every measured run shares: no evaluation before, no export, quiet, fresh."""
+    """What every measured run shares: quiet, fresh; no evaluation before and no export (the
+    dschat scenario: whole runs, which evaluate and export as each mode does by default)."""
+    whole = args.scenario == "dschat"
     return [
         f"step.max_steps={steps}",
         f"step.log_interval={1 if steps < 50 else 10}",
-        "step.eval_at_start=false",
-        "step.save_model=false",
+        f"step.eval_at_start={str(whole).lower()}",
+        f"step.save_model={str(whole).lower()}",
         "resume=never",
         "logger.progress_bar=false",
         f"zero=stage{args.zero}",
@@ -201,12 +268,15 @@ def run_env(threads: int) -> dict[str, str]:
     """Every run's environment: ``threads`` OpenMP threads a rank that sleep when idle (spinning
     threads on a busy machine make small ops, such as decoding steps, many times slower), and
     DeepSpeed's JIT-built ops in a cache of the bench's own (a shared one can be rebuilt under a
-    run by another job, which then waits on its lock)."""
+    run by another job, which then waits on its lock), and this checkout's ``rlhf`` first on the
+    path (torchrun's ranks otherwise import whatever the environment installed)."""
     extensions = Path.home() / ".cache" / "rlhf" / "bench-torch-extensions"
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {
         "TORCH_EXTENSIONS_DIR": str(extensions),
         "OMP_WAIT_POLICY": "PASSIVE",
         **os.environ,
+        "PYTHONPATH": path,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
@@ -359,13 +429,46 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
         fast_ppo = ["ppo.drop_finished_rows=true"] + (
             [] if args.no_packing else ["ppo.packing=true"]
         )
-        return {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}
+        modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}
+        return dschat_modes(section, modes) if args.scenario == "dschat" else modes
+    if args.scenario == "dschat":
+        modes = dschat_modes(section, modes)
     if not args.no_trl and trl_version():
         modes["trl"] = None
     return modes
 
 
+# DeepSpeed-Chat's per-step work besides padding (its step 1/2/3 main.py and ppo_trainer.py):
+# SFT and reward run every epoch of their rows and evaluate before training and after each
+# epoch (rlhf's defaults do the same); PPO decodes greedily (its generate() takes the model's
+# generation config: no sampling), generates every answer to max_answer_seq_len, recomputes
+# the old log-probs with a second actor forward, and evaluates nothing (rlhf always runs a
+# final evaluation: the baseline's answers 2 held-out prompts once, greedy and one sample)
+DSCHAT_EPOCHS = {"sft": DSCHAT_RUNS["sft"][1], "reward": DSCHAT_RUNS["reward"][1]}
+DSCHAT_PPO_BASELINE_EVAL = [
+    "step.eval_at_start=false",
+    "ppo.eval_prompts=2",
+    "ppo.eval_samples=1",
+]
+
+
+def dschat_modes(section: str, modes: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The dschat scenario's additions to each mode's overrides."""
+    if section == "ppo":
+        extra = {"fast": ["ppo.greedy=true"], "baseline": ["ppo.greedy=true"]}
+        extra["baseline"] += DSCHAT_PPO_BASELINE_EVAL
+    else:
+        epochs = f"optim.epochs={DSCHAT_EPOCHS[section]}"
+        extra = {"fast": [epochs], "baseline": [epochs]}
+    return {mode: merged(overrides, extra[mode]) for mode, overrides in modes.items()}
+
+
 def section_steps(section: str, args) -> int:
+    if args.scenario == "dschat":  # whole runs: every epoch of the phase's rows
+        if section == "ppo":
+            return dschat_iterations(args.scale)
+        rows, epochs = dschat_rows(args.scale)[section], DSCHAT_RUNS[section][1]
+        return rows // (args.micro_batch * args.ranks * args.grad_accum) * epochs
     return {
         "sft": args.sft_steps,
         "reward": args.reward_steps,
@@ -395,9 +498,16 @@ def measure(section: str, args, data: Path, actor: str, critic: str) -> dict[str
                 model = actor if section == "sft" else critic
                 result = run_trl(section, fast_dir, model, steps, run_dir, args)
             else:
-                result = run_metrics(run_rlhf([*overrides, *shared], run_dir, args))
+                result = run_metrics(run_rlhf(merged(shared, overrides), run_dir, args))
             results[mode].append({**result, "peak_flops": peak})
     return results
+
+
+def merged(shared: list[str], overrides: list[str]) -> list[str]:
+    """``overrides`` after the ``shared`` ones they do not set again (a key given twice on
+    Hydra's command line is refused)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [*overrides, *(o for o in shared if o.split("=", 1)[0] not in keys)]
 
 
 def run_metrics(summary: dict) -> dict[str, float]:
@@ -406,6 +516,8 @@ def run_metrics(summary: dict) -> dict[str, float]:
         "tokens_per_s": summary.get("bench/tokens_per_s", summary.get("perf/tokens_per_s")),
         "peak_mem_gb": summary.get("perf/peak_mem_gb"),
         "wall_s": summary.get("bench/wall_s"),
+        "eval_s": summary.get("perf/eval_s"),
+        "eval_share": summary.get("perf/eval_share"),
     }
     if "perf/gen_tokens_per_s" in summary:  # PPO: tokens/s are the update's, no samples/s
         out["samples_per_s"] = None
@@ -635,6 +747,8 @@ COLUMNS = (  # (metric, header, format)
     ("response_length", "answer len", "{:.0f}"),
     ("peak_mem_gb", "peak GB", "{:.2f}"),
     ("mfu", "MFU", "{:.1%}"),
+    ("wall_s", "wall s", "{:.0f}"),
+    ("eval_share", "eval", "{:.0%}"),
 )
 
 
@@ -698,7 +812,8 @@ def format_report(report: dict) -> str:
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     text += [
         "(train tok/s: real, non-padding tokens of the training steps, PPO's update included;",
-        " gen tok/s: answer tokens of PPO's generation; MFU: model FLOP/s / matmul peak)",
+        " gen tok/s: answer tokens of PPO's generation; MFU: model FLOP/s / matmul peak;",
+        " wall s: the whole run, start-up included; eval: its share spent evaluating)",
         "",
     ]
     text += [f"{k}: {v:.2f}x" for k, v in report["ratios"].items()]
