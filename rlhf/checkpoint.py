@@ -14,6 +14,7 @@ command pointed at someone else's run directory does not train on and overwrite 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -108,7 +109,7 @@ def save(
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
-    error: Exception | None = None
+    error: tuple[bool, str] | None = None  # (the disk was full, the error's text)
     try:
         if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -126,15 +127,21 @@ def save(
     # a full disk, a quota, a file-size limit (torch.save reports a failed write as a
     # RuntimeError from its zip writer)
     except (OSError, RuntimeError) as err:
-        error = err
+        # its words only: the exception (through the one it was raised during) keeps the failed
+        # writer's file open, and the space it took is not freed while it lives
+        error = (out_of_space(err, tmp), f"{type(err).__name__}: {err}")
     failed = torch.tensor([float(error is not None)])
     if world_size() > 1:
         torch.distributed.all_reduce(failed)
     if failed.item():
         previous = latest(run_dir)
-        reason = _failure(error, tmp, previous)
+        written = dir_size(tmp)  # at least what a checkpoint takes, when there is no previous one
+        barrier()
         if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
+        gc.collect()  # a deleted file's space is free once nothing holds it open
+        barrier()
+        reason = _failure(error, tmp, previous, written)  # the space free once it is gone
         raise CheckpointError(
             f"checkpoint at step {step} could not be written to {tmp} ({reason}); "
             + (
@@ -155,15 +162,17 @@ def save(
     return final
 
 
-def _failure(error: Exception | None, tmp: Path, previous: Path | None) -> str:
-    """Why this rank's write failed: a full disk with the space a checkpoint takes (the previous
-    one's size, or at least what was written before the disk filled), or the error itself."""
+def _failure(error: tuple[bool, str] | None, tmp: Path, previous: Path | None, written: int) -> str:
+    """Why this rank's write failed (``error``: whether the disk was full, the error's text): a
+    full disk with the space a checkpoint takes (the previous one's size, or at least the
+    ``written`` bytes before the disk filled), or the error itself."""
     if error is None:
         return "another rank failed to write"
-    if out_of_space(error, tmp):
-        needed = dir_size(previous) or dir_size(tmp)
+    full, text = error
+    if full:
+        needed = dir_size(previous) or written
         return no_space_message(tmp.parent, needed, at_least=previous is None)
-    return f"{type(error).__name__}: {error}"
+    return text
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:

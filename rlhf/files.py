@@ -43,7 +43,13 @@ def dir_size(path: Path | None) -> int:
     """Bytes of the files under ``path`` (0 when it does not exist)."""
     if path is None or not Path(path).exists():
         return 0
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    total = 0
+    for file in Path(path).rglob("*"):
+        try:
+            total += file.stat().st_size if file.is_file() else 0
+        except FileNotFoundError:  # removed meanwhile (another rank cleaning up)
+            continue
+    return total
 
 
 def free_space(path: Path) -> int:

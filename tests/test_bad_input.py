@@ -860,6 +860,27 @@ def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
     assert not (tmp_path / "checkpoints" / ".tmp-step-00000002").exists()
 
 
+def test_a_full_disk_at_the_first_checkpoint_counts_the_space_freed(tmp_path, monkeypatch):
+    """No previous checkpoint: what was written before the disk filled is the least needed, and
+    the free space is what the user has once the temporary directory is gone."""
+    from rlhf import checkpoint, files
+
+    tmp = tmp_path / "checkpoints" / ".tmp-step-00000001"
+
+    def write_then_fail(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"x" * 4000)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(checkpoint.torch, "save", write_then_fail)
+    monkeypatch.setattr(files, "free_space", lambda path: 10_000 - files.dir_size(tmp))
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.save(tmp_path, 1, {}, {}, keep=2)
+    assert "(10.0 KB free; at least 4.0 KB needed)); there is no earlier checkpoint" in str(
+        err.value
+    )
+    assert not tmp.exists()
+
+
 def test_a_resumed_run_logs_its_final_evaluation_once(tmp_path):
     """The final evaluation runs after the last checkpoint; when the export then fails, the
     rerun evaluates again: the first one's row is dropped, not kept beside the second."""
