@@ -91,6 +91,8 @@ PARITY = [
     "ppo.kl_in_loss=true",
     "ppo.kl_estimator=k3",
     "ppo.seed_rollouts=true",  # the rollouts then do not depend on the rank layout
+    # HF's generate on both sides (ZeRO-3 on 2 ranks needs it): the same draws from the seeds
+    "ppo.drop_finished_rows=false",
     "step.max_steps=3",
     "step.eval_at_start=false",
     "step.eval_interval=0",
