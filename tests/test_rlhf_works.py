@@ -21,7 +21,7 @@ REDUCED = [
     "ppo.eval_samples=2",
     "logger.progress_bar=false",
 ]
-# measured at this size: greedy gold 0.00 -> 0.84 and sampled 0.13 -> 0.76 after 50 iterations
+# measured at this size (94 iterations): greedy gold 0.00 -> 0.86, sampled 0.12 -> 0.74
 MARGIN = 0.4
 
 
@@ -29,6 +29,7 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
     run_rlhf(
         [*REDUCED, *cache_overrides(cache_dir)],
         run_dir=tmp_path,
+        timeout=1500,  # three steps: about 4 minutes on 2 quiet cores
         extra_env={"OMP_NUM_THREADS": "1"},
     )
     assert read_summary(tmp_path / "reward")["eval/accuracy"] >= 0.8  # measured: 0.87
