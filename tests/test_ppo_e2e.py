@@ -47,7 +47,7 @@ def pipeline(cache_dir, tmp_path_factory):
         "step=all",
         *SMALL,
         "step.max_steps=150",
-        "optim.epochs=8",  # SFT and reward: 25 and 50 steps per epoch on FAST data
+        "optim.epochs=13",  # SFT and reward: 12.5 and 50 steps per epoch on FAST data: >= 150
         *cache_overrides(cache_dir),
     ]
     run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)

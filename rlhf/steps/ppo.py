@@ -109,6 +109,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "critic.model.path, which names the reward model",
             ppo.advantage_estimator,
         )
+    composed = cfg  # what checkpoints record and resume=auto compares: the keys as set (null)
     if ppo.packing is None:  # packed rows wherever every model's attention takes their mask
         ppo = replace(ppo, packing=packs_rows(models))
         cfg = replace(cfg, ppo=ppo)
@@ -147,7 +148,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     engines = {"actor": models.actor, "critic": models.critic}
     engines = {name: engine for name, engine in engines.items() if engine is not None}
     run = Run(
-        cfg, info, "ppo", engines, iterations, shown=("ppo/reward", "ppo/kl"), started=started
+        composed, info, "ppo", engines, iterations, shown=("ppo/reward", "ppo/kl"), started=started
     )
     evaluator = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
     if run.resumed:
