@@ -261,6 +261,7 @@ EPOCHS = [
     "step=sft",
     *fast(**{"data.sources.toy.num_rows": "320"}),
     "optim.epochs=3",
+    "optim.micro_batch_size=16",  # 64 SFT rows: 4 steps an epoch
     "step.log_interval=1",
     "step.checkpoint_interval=2",
     "step.eval_interval=0",
