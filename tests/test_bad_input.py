@@ -542,9 +542,8 @@ def test_resuming_a_run_made_under_another_config_is_refused(tmp_path, cache_dir
     assert proc.returncode == 2, proc.stderr[-3000:]
     [message] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert message.startswith(f"error: resume=auto: {step} was made under another config ")
-    assert (
-        "optim.lr: 0.005 there, 0.002 here" in message
-    )  # SFT's own lr: 2e-3 and "resume=force" in message
+    # 0.002: SFT's own lr (conf/step/sft.yaml)
+    assert "optim.lr: 0.005 there, 0.002 here" in message and "resume=force" in message
     after = _run_dir_files(run_dir)
     assert {k: v for k, v in after.items() if not k.endswith(".log")} == before  # .hydra/ too
 
