@@ -45,7 +45,7 @@ def _eval_loss(model, tokenizer, rows, batch_size: int = 50) -> float:
 
 @pytest.fixture(scope="module")
 def default_run(cache_dir, tmp_path_factory):
-    """One epoch of SFT on the embedded default (4000 rows, 250 steps of 16)."""
+    """One epoch of SFT on the embedded default (4000 rows, 125 steps of 32)."""
     run_dir = tmp_path_factory.mktemp("sft-default")
     overrides = ["step=sft", "optim.epochs=1", "logger.progress_bar=false"]
     run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD)
@@ -54,7 +54,7 @@ def default_run(cache_dir, tmp_path_factory):
 
 def test_sft_learns(default_run):
     summary = read_summary(default_run)
-    assert summary["train/steps"] == 250
+    assert summary["train/steps"] == 125
     assert summary["eval/ppl"] < 0.5 * summary["initial/eval/ppl"]
     assert summary["eval/loss"] < summary["initial/eval/loss"]
     assert summary["eval/gold_accuracy"] >= summary["initial/eval/gold_accuracy"]
