@@ -245,9 +245,9 @@ class PPOEvaluator:
     eval/reward, eval/response_length and, on data with a checker, eval/gold_accuracy and its
     halves; sampled, ppo.eval_samples answers a prompt decoded as the rollouts are, for
     eval/gold_accuracy_sampled (and halves), eval/reward_sampled, eval/kl (the KL to the
-    reference as ppo/kl measures it: the configured estimator at the sampling temperature,
-    in the loss's precision, summed over an answer, short answers left out) and eval/gold_score_corr (how the reward tracks the checker on the
-    policy's own samples). Warns when the reward rises while the checker says the answers got
+    reference as ppo/kl measures it: the configured estimator at the sampling temperature, in
+    the loss's precision, summed over an answer, short answers left out) and
+    eval/gold_score_corr (how the reward tracks the checker on the policy's own samples). Warns when the reward rises while the checker says the answers got
     worse (without a checker: while the answer length drifts): reward hacking."""
 
     sample_columns = ("prompt", "answer", "reward", "gold")
