@@ -151,26 +151,9 @@ def test_reinforce_pp_returns_carry_the_per_token_kl():
     torch.testing.assert_close(exp.advantages[:, 0], first)
 
 
-class Engine(torch.nn.Module):
-    """A DeepSpeed engine's surface as the collector and train_step use it."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        pass
-
-
 def _collector() -> Collector:
     models = SimpleNamespace(
-        actor=Engine(ppo_tests._lm(seed=5)),
+        actor=ppo_tests.Trained(ppo_tests._lm(seed=5)),
         reference=ppo_tests._lm(seed=6),
         critic=None,
         reward=LengthReward(),
@@ -270,7 +253,7 @@ def test_a_critic_free_update_has_no_critic_and_adds_the_kl_loss_term():
     from rlhf.steps.loop import NonFiniteGuard
 
     exp = _group_experience("grpo")
-    models = SimpleNamespace(actor=Engine(ppo_tests._lm(seed=3)), critic=None)
+    models = SimpleNamespace(actor=ppo_tests.Trained(ppo_tests._lm(seed=3)), critic=None)
     out = ppo_recipe.train_step(models, [exp], _update_config(), None, NonFiniteGuard(3), 0.1)
     assert out["critic_loss_sum"] == 0.0
     # the actor is the rollout's (seed 3): its log-probs are the old ones
@@ -288,7 +271,7 @@ def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
     cfg = _update_config(f"ppo.loss_aggregation={aggregation}")
 
     def grads(micro):
-        actor = Engine(ppo_tests._lm(seed=3))
+        actor = ppo_tests.Trained(ppo_tests._lm(seed=3))
         models = SimpleNamespace(actor=actor, critic=None)
         ppo_recipe.train_step(models, micro, cfg, None, NonFiniteGuard(3), 0.1)
         return [p.grad for p in actor.parameters() if p.grad is not None]

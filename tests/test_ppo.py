@@ -63,6 +63,24 @@ def _critic(seed: int = 1) -> ValueModel:
     return ValueModel(OPTForSequenceClassification(_config(num_labels=1))).eval()
 
 
+class Trained(torch.nn.Module):
+    """A DeepSpeed engine's surface as the collector and train_step use it: forward,
+    backward, step."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
 # three prompts of different lengths (left-padded to P = 5) and answers that end at EOS, cut at
 # max_new_tokens (no EOS) and stop at once
 PROMPTS = [[BOS, 5, 6, 7, 8], [BOS, 9, 10], [BOS, 11]]

@@ -54,6 +54,7 @@ from rlhf.rl.models import (
 )
 from rlhf.validate import dropout_problems
 from tests.conftest import compose, read_metrics
+from tests.test_ppo import Trained
 
 register_configs()
 PAD, BOS, EOS = 0, 1, 2
@@ -452,23 +453,6 @@ def test_a_huge_log_ratio_gives_a_finite_loss_and_kl():
     assert algos.kl_penalty(torch.tensor([[0.3]]), torch.zeros(1, 1), "k3").item() == (
         pytest.approx(torch.expm1(torch.tensor(-0.3)).item() + 0.3)
     )
-
-
-class Trained(torch.nn.Module):
-    """A DeepSpeed engine's surface as train_step uses it: forward, backward, step."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        pass
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
