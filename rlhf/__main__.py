@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config, ConfigError, register_configs, unknown_key
+from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
 from rlhf.validate import (
     check_launch,
     fit_lengths,
@@ -59,26 +59,26 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         known = positions(config)  # step=all: the SFT model's, which the later models share
         fitted = fit_lengths(cfg, config, known)
         info_dir = Path(config.run_dir or hydra_cfg.runtime.output_dir)
-        steps = None
+        steps, shared = None, {}
         if config.step.name == "all":
             from rlhf.steps import all as pipeline
 
             user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
             composed = pipeline.compose_steps(config, user, hydra_cfg.job.config_name, info_dir)
-            produced = pipeline.exports(info_dir, composed)
+            shared = pipeline.shared_dirs(composed)
+            produced = pipeline.exports(info_dir, composed, shared)
             steps = {name: _step_config(c, produced, known) for name, c in composed.items()}
         for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
             check_launch(step_config)
-        _check_before_writing(config, steps, info_dir, list(hydra_cfg.overrides.task))
+        _check_before_writing(config, steps, info_dir, list(hydra_cfg.overrides.task), shared)
     except ConfigError as err:
         _fail(err)
     _save_hydra_files(cfg)
     for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
         log.warning(line)
     group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None
-    return run_step(
-        config, info_dir, hydra_cfg.job.override_dirname or "default", group, _resolved(cfg), steps
-    )
+    name = hydra_cfg.job.override_dirname or "default"
+    return run_step(config, info_dir, name, group, _resolved(cfg), steps, shared)
 
 
 def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Config, dict]:
@@ -90,16 +90,29 @@ def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Co
 
 
 def _check_before_writing(
-    config: Config, steps: dict | None, run_dir: Path, overrides: list[str]
+    config: Config, steps: dict | None, run_dir: Path, overrides: list[str], shared: dict
 ) -> None:
-    """Top-level model values step=ppo would not read, and resume=auto into a run directory
-    another config's checkpoints are in (step=all: each step's own directory)."""
+    """Top-level model values step=ppo would not read, pipeline.share_dir outside step=all, and
+    resume=auto into a run directory another config's checkpoints are in (step=all: each step's
+    own directory, a shared step's in pipeline.share_dir)."""
     raise_problems(ppo_model_value_problems(config.step.name, overrides), "step=ppo")
+    if steps is None and config.pipeline.share_dir is not None:
+        raise ConfigError(
+            f"pipeline.share_dir={config.pipeline.share_dir!r}: only step=all reads it "
+            f"(step={config.step.name} reads its models from their paths); drop it"
+        )
     runs = (
-        [(config, run_dir)] if steps is None else [(c, run_dir / n) for n, (c, _) in steps.items()]
+        [(config, run_dir, ())]
+        if steps is None
+        else [
+            # a shared step resumes whatever the later steps set
+            (c, shared[n], NOT_READ_BY[n]) if n in shared else (c, run_dir / n, ())
+            for n, (c, _) in steps.items()
+        ]
     )
-    for step_config, step_dir in runs:
-        raise_problems([p for p in [resume_problem(step_config, step_dir)] if p], "resume")
+    for step_config, step_dir, unread in runs:
+        problem = resume_problem(step_config, step_dir, unread)
+        raise_problems([problem] if problem else [], "resume")
 
 
 HYDRA_SUBDIR = ".hydra"
@@ -131,8 +144,10 @@ def run_step(
     group: str | None,
     resolved: dict,
     steps: dict | None = None,
+    shared: dict | None = None,
 ) -> float | None:
-    """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``)."""
+    """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``,
+    ``shared`` those that run in pipeline.share_dir)."""
     from rlhf import dist, engine
     from rlhf.steps import all as pipeline
     from rlhf.steps.loop import RunInfo, TrainingStopped
@@ -146,7 +161,7 @@ def run_step(
         dist.init_distributed(device)  # torn down at exit
         _quiet_libraries(is_main=dist.is_main())
         if steps is not None:
-            summary = pipeline.run(steps, info)
+            summary = pipeline.run(steps, info, shared)
         else:
             summary = pipeline.RECIPES[config.step.name](config, info)
     except ConfigError as err:

@@ -181,36 +181,44 @@ def saved_config(path: Path) -> dict[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(node, dict):
         return {prefix.rstrip("."): node}
     out: dict[str, Any] = {}
     for key, value in node.items():
-        out.update(_flat(value, f"{prefix}{key}."))
+        out.update(flat(value, f"{prefix}{key}."))
     return out
 
 
-def _resumable(key: str) -> bool:
+def resumable(key: str) -> bool:
     return any(key == k or key.startswith(k if k.endswith("_") else k + ".") for k in RESUMABLE)
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: A there, B here' for each key that matters (not in RESUMABLE) and differs."""
-    there, here = _flat(saved), _flat(json.loads(json.dumps(current, default=str)))
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], unread: tuple[str, ...] = ()
+) -> list[str]:
+    """'key: A there, B here' for each key that matters (not in RESUMABLE nor in a section the
+    step does not read, ``unread``) and differs."""
+    there, here = flat(saved), flat(json.loads(json.dumps(current, default=str)))
     absent = "(absent)"
     return [
         f"{key}: {there.get(key, absent)!r} there, {here.get(key, absent)!r} here"
         for key in sorted(set(there) | set(here))
-        if not _resumable(key) and there.get(key, absent) != here.get(key, absent)
+        if not resumable(key)
+        and key.split(".")[0] not in unread
+        and there.get(key, absent) != here.get(key, absent)
     ]
 
 
-def resume_problem(run_dir: Path, mode: str, current: dict[str, Any]) -> str | None:
+def resume_problem(
+    run_dir: Path, mode: str, current: dict[str, Any], unread: tuple[str, ...] = ()
+) -> str | None:
     """Why ``resume=auto`` must not continue from ``run_dir``'s newest checkpoint (None: it
-    may, or there is none): it was made under another config."""
+    may, or there is none): it was made under another config (``unread``: sections the step
+    does not read, as in config_differences)."""
     path = latest(run_dir) if mode == "auto" else None
     saved = saved_config(path) if path is not None else None
-    differences = config_differences(saved, current) if saved is not None else []
+    differences = config_differences(saved, current, unread) if saved is not None else []
     if not differences:
         return None
     shown = "; ".join(differences[:6])

@@ -544,7 +544,7 @@ class PPOConfig:
     eval_greedy: bool = True  # greedy answers for eval/reward and eval/gold_accuracy
     # answers sampled per held-out prompt at the rollout temperature: eval/kl,
     # eval/reward_sampled, eval/gold_accuracy_sampled and eval/gold_score_corr
-    eval_samples: int = 4
+    eval_samples: int = 2
 
     @property
     def uses_critic(self) -> bool:
@@ -755,6 +755,12 @@ class DPOConfig:
 # the pipelines step=all runs (an algo=... option picks one); with ppo.reward_function set no
 # reward model is trained, so sft -> reward -> ppo runs as sft -> ppo
 PIPELINES = (("sft", "reward", "ppo"), ("sft", "dpo"))
+# the sections the steps a pipeline can share (pipeline.share_dir) never read: two runs whose
+# step differs only there share it
+NOT_READ_BY = {
+    "sft": ("reward", "ppo", "dpo", "actor", "critic", "pipeline"),
+    "reward": ("sft", "ppo", "dpo", "actor", "critic", "pipeline"),
+}
 
 
 @dataclass
@@ -768,6 +774,11 @@ class PipelineConfig:
     # InstructGPT initialises the reward model from the SFT model; DeepSpeed-Chat from a base
     # model (its recipe sets this false and picks OPT-350M).
     reward_from_sft: bool = True
+
+    # a directory where step=all keeps the steps before the algorithm's own (SFT, the reward
+    # model) under a name made from their config, each linked into the run dir: the jobs of a
+    # sweep that agree on them train them once and start from the same models (sweeps/algos.yaml)
+    share_dir: str | None = None
 
     def problems(self) -> list[tuple[str, Any, str]]:
         if tuple(self.steps) in PIPELINES:

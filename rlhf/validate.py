@@ -704,11 +704,12 @@ def ppo_model_value_problems(step: str, overrides: list[str]) -> list[str]:
     return out
 
 
-def resume_problem(config: Config, run_dir: Path) -> str | None:
-    """resume=auto in a run directory whose newest checkpoint another config made."""
+def resume_problem(config: Config, run_dir: Path, unread: tuple[str, ...] = ()) -> str | None:
+    """resume=auto in a run directory whose newest checkpoint another config made (``unread``:
+    sections the step does not read)."""
     from rlhf.checkpoint import resume_problem as differs
 
-    return differs(run_dir, config.resume, dataclasses.asdict(config))
+    return differs(run_dir, config.resume, dataclasses.asdict(config), unread)
 
 
 def raise_problems(problems: list[str], header: str) -> None:

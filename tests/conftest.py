@@ -13,8 +13,11 @@ from pathlib import Path
 import hydra
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from rlhf.__main__ import _run_time_str
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -45,13 +48,18 @@ def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
 
 
 def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
-    """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched."""
+    """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched;
+    as in a job, ${hydra:...} and ${rlhf_now:...} resolve."""
+    OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
-        return hydra.compose(
-            name,
-            [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides],
-            return_hydra_config=hydra_config,
+        cfg = hydra.compose(
+            name, [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides], return_hydra_config=True
         )
+    HydraConfig.instance().set_config(cfg)
+    if not hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def sweep_axes(name: str, overrides=()) -> dict[str, list[str]]:

@@ -7,18 +7,27 @@ point, validated) before the first one runs. Re-running in the same run dir
 (``hydra.run.dir=...``) skips the steps whose outputs are complete.
 
 With ``ppo.reward_function`` set no reward model is used, so none is trained: the pipeline is
-SFT -> PPO and the critic starts from the SFT export."""
+SFT -> PPO and the critic starts from the SFT export.
+
+``pipeline.share_dir=DIR``: the steps before the algorithm's own (SFT, the reward model) run in
+DIR/<step>-<hash of every key they read>, linked as <run_dir>/<step>; a later run (a sweep's
+next job) whose same step reads the same values finds it complete there and trains it no more,
+so PPO, GRPO and DPO start from one SFT model. Keys only later steps read (ppo.*, dpo.*, actor.*,
+critic.*, pipeline.*) and what resume=auto may change are left out of the hash. The code is not
+in it: after changing a step's code, give a new share_dir."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
 
 from hydra import compose
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config
+from rlhf.checkpoint import flat, resumable
+from rlhf.config import NOT_READ_BY, Config
 from rlhf.dist import is_main
 from rlhf.steps import dpo, ppo, reward, sft
 from rlhf.steps.loop import RunInfo
@@ -38,13 +47,17 @@ def pipeline(steps: list[str], uses_reward_model: bool) -> tuple[str, ...]:
     return tuple(step for step in steps if step != "reward" or uses_reward_model)
 
 
-def step_overrides(step: str, run_dir: Path, reward_from_sft: bool, with_reward: bool) -> list[str]:
-    """How each step reads the previous exports."""
-    sft_model = run_dir / "sft" / "model"
+def step_overrides(
+    step: str, run_dir: Path, reward_from_sft: bool, with_reward: bool, dirs=None
+) -> list[str]:
+    """How each step reads the previous exports (``dirs``: the steps that run in
+    pipeline.share_dir, and where)."""
+    where = {"sft": run_dir / "sft", "reward": run_dir / "reward", **(dirs or {})}
+    sft_model = where["sft"] / "model"
     if step == "reward":
         return [f"model.path={sft_model}"] if reward_from_sft else []
     if step == "ppo":
-        critic = run_dir / "reward" / "model" if with_reward else sft_model
+        critic = where["reward"] / "model" if with_reward else sft_model
         return [f"actor.model.path={sft_model}", f"critic.model.path={critic}"]
     if step == "dpo":  # the policy and its reference
         return [f"model.path={sft_model}"]
@@ -62,17 +75,41 @@ def compose_steps(
 
     steps = config.pipeline.steps
     with_reward = "ppo" in steps and composed("ppo", []).ppo.reward_function is None
+    order = pipeline(steps, with_reward)
+    out: dict[str, DictConfig] = {}
+    dirs: dict[str, Path] = {}
+    for step in order:
+        extra = step_overrides(step, run_dir, config.pipeline.reward_from_sft, with_reward, dirs)
+        out[step] = composed(step, extra)
+        if step != order[-1] and config.pipeline.share_dir is not None:
+            dirs[step] = shared_dir(step, out[step])
+    return out
+
+
+def shared_dir(step: str, cfg: DictConfig) -> Path:
+    """pipeline.share_dir/<step>-<hash of the keys ``step`` reads, as ``cfg`` sets them>."""
+    keys = flat(OmegaConf.to_container(cfg, resolve=True))
+    unread = NOT_READ_BY[step]
+    read = {k: v for k, v in keys.items() if not resumable(k) and k.split(".")[0] not in unread}
+    digest = hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()
+    return Path(cfg.pipeline.share_dir).expanduser().absolute() / f"{step}-{digest[:12]}"
+
+
+def shared_dirs(composed: dict[str, DictConfig]) -> dict[str, Path]:
+    """Where the shared steps of ``composed`` (compose_steps' answer) run; none without a
+    pipeline.share_dir. The last step is the run's own."""
+    *before, _last = composed
     return {
-        step: composed(
-            step, step_overrides(step, run_dir, config.pipeline.reward_from_sft, with_reward)
-        )
-        for step in pipeline(steps, with_reward)
+        step: shared_dir(step, composed[step])
+        for step in before
+        if composed[step].pipeline.share_dir is not None
     }
 
 
-def exports(run_dir: Path, steps=tuple(EXPORTS)) -> tuple[Path, ...]:
-    """The directories ``steps`` export (later steps read them)."""
-    return tuple(run_dir / step / name for step in steps for name in EXPORTS[step])
+def exports(run_dir: Path, steps=tuple(EXPORTS), dirs=None) -> tuple[Path, ...]:
+    """The directories ``steps`` export (later steps read them; ``dirs``: shared steps')."""
+    where = dirs or {}
+    return tuple(where.get(step, run_dir / step) / name for step in steps for name in EXPORTS[step])
 
 
 def is_complete(step_dir: Path, step: str) -> bool:
@@ -82,14 +119,19 @@ def is_complete(step_dir: Path, step: str) -> bool:
     return (step_dir / "summary.json").exists() and all(p.exists() for p in exports)
 
 
-def run(steps: dict[str, tuple[Config, dict]], info: RunInfo) -> dict[str, float]:
-    """Run the pipeline: ``steps`` maps each step to its typed and resolved config."""
+def run(
+    steps: dict[str, tuple[Config, dict]], info: RunInfo, shared: dict[str, Path] | None = None
+) -> dict[str, float]:
+    """Run the pipeline: ``steps`` maps each step to its typed and resolved config; ``shared``
+    the steps that run in pipeline.share_dir, and where (see shared_dirs)."""
     if "ppo" in steps and "reward" not in steps:
         log.info("step=all: ppo.reward_function is set, so no reward model is trained (sft -> ppo)")
     group = info.group or info.run_dir.name
     summary: dict[str, float] = {}
     for step, (config, resolved) in steps.items():
-        step_dir = info.run_dir / step
+        step_dir = (shared or {}).get(step, info.run_dir / step)
+        if step_dir != info.run_dir / step:
+            _link(info.run_dir / step, step_dir)
         if is_complete(step_dir, step):
             log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
             result = json.loads((step_dir / "summary.json").read_text())
@@ -103,3 +145,10 @@ def run(steps: dict[str, tuple[Config, dict]], info: RunInfo) -> dict[str, float
         flat = {key: plain(value) for key, value in summary.items()}
         (info.run_dir / "summary.json").write_text(json.dumps(flat, indent=2, sort_keys=True))
     return summary
+
+
+def _link(link: Path, step_dir: Path) -> None:
+    """<run_dir>/<step> -> the shared step, so the run dir reads like one that trained it."""
+    if is_main() and not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(step_dir, target_is_directory=True)

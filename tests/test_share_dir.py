@@ -1,0 +1,104 @@
+"""pipeline.share_dir: the steps before an algorithm's own (SFT, the reward model) are named by
+the keys they read, so runs that agree on them share them and runs that differ do not; outside
+step=all the key is refused; and, slow, a DPO run after a PPO run trains no second SFT model."""
+
+from __future__ import annotations
+
+import os
+
+import hydra
+import pytest
+
+from rlhf.config import register_configs
+from rlhf.steps.all import compose_steps, shared_dirs
+from rlhf.validate import validated
+from tests.conftest import (
+    CONF_DIR,
+    FAST,
+    cache_overrides,
+    read_summary,
+    run_rlhf,
+)
+
+register_configs()
+
+
+def _dirs(overrides: list[str], run_dir) -> tuple[dict, dict]:
+    """The composed steps of step=all OVERRIDES and where each shared one runs."""
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config = validated(hydra.compose("config", overrides))
+        steps = compose_steps(config, overrides, "config", run_dir)
+    return steps, shared_dirs(steps)
+
+
+def test_runs_that_read_the_same_keys_share_their_steps(tmp_path):
+    share = [f"pipeline.share_dir={tmp_path / 'shared'}"]
+    steps, ppo = _dirs(share, tmp_path / "a")
+    assert set(ppo) == {"sft", "reward"}  # the algorithm's own step is never shared
+    assert ppo["sft"].parent == tmp_path / "shared" and ppo["sft"].name.startswith("sft-")
+    # each later step reads the shared exports
+    assert steps["reward"].model.path == str(ppo["sft"] / "model")
+    assert steps["ppo"].actor.model.path == str(ppo["sft"] / "model")
+    assert steps["ppo"].critic.model.path == str(ppo["reward"] / "model")
+
+    # keys only later steps read, and what resume may change, leave both shared steps alone
+    for other in (
+        ["algo=grpo"],
+        ["ppo.kl_coef=0.1"],
+        ["logger.progress_bar=false", "step.eval_interval=7"],
+    ):
+        assert _dirs([*share, *other], tmp_path / "b")[1] == ppo, other
+    # DPO and the gold reward train no reward model: the same SFT model
+    _, dpo = _dirs([*share, "algo=dpo"], tmp_path / "c")
+    assert dpo == {"sft": ppo["sft"]}
+    _, gold = _dirs([*share, "ppo.reward_function=toy_gold"], tmp_path / "d")
+    assert gold == {"sft": ppo["sft"]}
+    # a key SFT reads makes another SFT, and so another reward model (it starts from SFT's)
+    for other in (["seed=2"], ["sft.gold_eval_prompts=8", "optim.lr=1e-4"]):
+        changed = _dirs([*share, *other], tmp_path / "e")[1]
+        assert changed["sft"] != ppo["sft"] and changed["reward"] != ppo["reward"], other
+    # a key only the reward step reads: the same SFT, another reward model
+    reward_only = _dirs([*share, "reward.share_prompt=true"], tmp_path / "f")[1]
+    assert reward_only["sft"] == ppo["sft"] and reward_only["reward"] != ppo["reward"]
+    # without a share_dir every step runs in the run dir
+    assert _dirs([], tmp_path / "g")[1] == {}
+
+
+def test_share_dir_outside_step_all_is_refused(tmp_path):
+    proc = run_rlhf(
+        ["step=sft", f"pipeline.share_dir={tmp_path}"], run_dir=tmp_path / "run", check=False
+    )
+    assert proc.returncode == 2
+    assert "pipeline.share_dir=" in proc.stderr and "only step=all reads it" in proc.stderr
+    assert not (tmp_path / "run" / ".hydra").exists()  # nothing recorded but the log
+
+
+@pytest.mark.slow
+def test_a_dpo_run_after_a_ppo_run_starts_from_the_same_sft_model(tmp_path, cache_dir):
+    shared = tmp_path / "shared"
+    common = [
+        "step=all",
+        *FAST,
+        "step.max_steps=3",
+        "ppo.eval_prompts=8",
+        "ppo.eval_samples=1",
+        f"pipeline.share_dir={shared}",
+        *cache_overrides(cache_dir),
+    ]
+    env = {"OMP_NUM_THREADS": "1"}
+    first = run_rlhf(common, run_dir=tmp_path / "ppo", extra_env=env)
+    assert "step=all: running sft" in first.stdout
+    second = run_rlhf([*common, "algo=dpo"], run_dir=tmp_path / "dpo", extra_env=env)
+    assert "step=all: running sft" not in second.stdout
+    assert "step=all: sft is complete" in second.stdout
+
+    assert sorted(path.name.split("-")[0] for path in shared.iterdir()) == ["reward", "sft"]
+    [sft_dir] = shared.glob("sft-*")
+    for run in ("ppo", "dpo"):
+        link = tmp_path / run / "sft"
+        assert link.is_symlink() and os.path.samefile(link, sft_dir), run
+    assert (tmp_path / "ppo" / "reward").is_symlink()
+    assert (tmp_path / "dpo" / "dpo" / "model" / "config.json").is_file()
+    # both summaries carry the one SFT run's numbers
+    ppo, dpo = read_summary(tmp_path / "ppo"), read_summary(tmp_path / "dpo")
+    assert ppo["sft/eval/loss"] == dpo["sft/eval/loss"]
