@@ -14,10 +14,10 @@ import torch
 
 from rlhf import algos
 from rlhf.config import ConfigError, register_configs, to_config
+from rlhf.rl.advantages import Shaping
 from rlhf.rl.experience import (
     Collector,
     Experience,
-    Shaping,
     keep_varied_groups,
     make_experience,
 )

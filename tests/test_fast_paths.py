@@ -30,7 +30,8 @@ from rlhf.data.packing import (
     shared_prompt_pair_batch,
 )
 from rlhf.models import ValueModel
-from rlhf.rl.experience import Shaping, make_experience, response_logprobs, response_values
+from rlhf.rl.advantages import Shaping
+from rlhf.rl.experience import make_experience, response_logprobs, response_values
 from rlhf.rl.generation import Sampling, generate
 
 PAD, VOCAB, MAX_LEN = 1, 96, 48

@@ -14,9 +14,9 @@ from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 from rlhf import algos
 from rlhf.data.collate import left_pad, right_pad
 from rlhf.models import ValueModel, scale_value_head
+from rlhf.rl.advantages import Shaping
 from rlhf.rl.experience import (
     Experience,
-    Shaping,
     concat,
     make_experience,
     mask_short_answers,

@@ -34,13 +34,12 @@ from rlhf.data.collate import left_pad, right_pad
 from rlhf.models import ValueModel, apply_lora
 from rlhf.rl import ema as ema_module
 from rlhf.rl import ptx as ptx_module
+from rlhf.rl.advantages import Shaping, penalised_scores
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
     LogprobGap,
-    Shaping,
     make_experience,
-    penalised_scores,
     rollout_metrics,
     uses_rollout_logprobs,
 )

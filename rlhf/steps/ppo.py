@@ -29,20 +29,18 @@ from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
 from rlhf.models import block_mask_problem, end_of_text_id, read_stats
+from rlhf.rl.advantages import kl_controller, shaping, whitens
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
     Experience,
     concat,
     keep_varied_groups,
-    kl_controller,
     response_logprobs,
     response_values,
     rollout_metrics,
-    shaping,
     uses_rollout_logprobs,
     whiten_advantages,
-    whitens,
 )
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.models import (

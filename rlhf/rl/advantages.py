@@ -1,0 +1,170 @@
+"""From a scored rollout to what the losses read: the reward each answer's last token receives
+(the score clipped, its penalties, DAPO's overlong penalty), the KL coefficient's controller, and
+the advantage estimators of ppo.advantage_estimator (GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++,
+ReMax). Tensors in, tensors out; the math itself is rlhf.algos'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlhf import algos
+from rlhf.config import Config, PPOConfig
+from rlhf.rl.models import max_new_tokens
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """How a rollout becomes rewards and advantages (ppo.* keys; kl_coef may adapt)."""
+
+    kl_coef: float
+    kl_estimator: str
+    clip_reward_value: float
+    gamma: float
+    lam: float
+    min_response_tokens: int
+    score_position: str  # where the reward model's score is read: "last" | "mean"
+    reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
+    temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
+    packing: bool = False  # score packed rows (ppo.packing): no forward over padding
+    # take the actor's and reference's log-probs from fp32 logits, as the update takes the
+    # actor's (actor.optim.compute_fp32_loss): the first ratio is then exactly the update's
+    fp32_logits: bool = False
+    unterminated_penalty: float = 0.0  # subtracted from the clipped score of a cut answer
+    # None: answers shorter than min_response_tokens are masked out of every loss; a value:
+    # they stay in the losses with -short_answer_penalty as their score
+    short_answer_penalty: float | None = None
+    estimator: str = "gae"  # ppo.advantage_estimator: a key of ESTIMATORS
+    group_size: int = 1  # answers per prompt, contiguous rows (ppo.num_samples_per_prompt)
+    std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+    max_new_tokens: int = 0  # the answer cap the overlong penalty counts from
+    overlong_buffer: int = 0  # DAPO's overlong penalty: its ramp in tokens (0: off)
+    overlong_penalty: float = 1.0  # and what an answer at the cap loses
+
+
+def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
+    """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef (with
+    ppo.kl_in_loss the KL goes into the actor's loss instead: none in the reward)."""
+    ppo = cfg.ppo
+    return Shaping(
+        0.0 if ppo.kl_in_loss else kl_coef,
+        ppo.kl_estimator,
+        ppo.clip_reward_value,
+        ppo.gamma,
+        ppo.lam,
+        ppo.min_response_tokens,
+        score_position,
+        reward_stats,
+        1.0 if ppo.greedy else ppo.temperature,
+        ppo.packing,
+        cfg.actor.optim.compute_fp32_loss,
+        ppo.unterminated_penalty,
+        ppo.short_answer_penalty,
+        ppo.advantage_estimator,
+        ppo.num_samples_per_prompt,
+        ppo.std_normalize,
+        max_new_tokens(cfg),
+        ppo.overlong_buffer,
+        ppo.overlong_penalty,
+    )
+
+
+def kl_controller(ppo: PPOConfig):
+    """Ziegler et al.'s adaptive controller (ppo.adaptive_kl) or a fixed kl_coef."""
+    if ppo.adaptive_kl:
+        return algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+    return algos.FixedKLController(ppo.kl_coef)
+
+
+def outcome_rewards(
+    scores: torch.Tensor,
+    short: torch.Tensor,
+    unterminated: torch.Tensor,
+    answer_mask: torch.Tensor,
+    shaping: Shaping,
+) -> torch.Tensor:
+    """(B,) what each answer's last token receives: :func:`penalised_scores` plus DAPO's
+    overlong penalty on its length. answer_mask: (B, R) the generated tokens (before masking)."""
+    lengths = answer_mask.sum(-1)
+    overlong = algos.overlong_penalty(
+        lengths, shaping.max_new_tokens, shaping.overlong_buffer, shaping.overlong_penalty
+    )
+    return penalised_scores(scores, short, unterminated, shaping) + overlong.to(scores.device)
+
+
+def penalised_scores(
+    scores: torch.Tensor, short: torch.Tensor, unterminated: torch.Tensor, shaping: Shaping
+) -> torch.Tensor:
+    """(B,) what each answer's last token receives: its score clipped to +-clip_reward_value,
+    less unterminated_penalty where it was cut at max_new_tokens (the reward model scored a
+    position it never saw in training), and -short_answer_penalty in place of the score of an
+    answer too short to trust it. The penalties come after the clip, so a score at the clip
+    cannot absorb them. scores, short, unterminated: (B,)."""
+    clip = shaping.clip_reward_value
+    out = scores.clamp(-clip, clip) - shaping.unterminated_penalty * unterminated.to(scores.dtype)
+    if shaping.short_answer_penalty is not None:
+        out = torch.where(short, torch.full_like(out, -shaping.short_answer_penalty), out)
+    return out
+
+
+# The advantage estimators (ppo.advantage_estimator): each maps a generation batch's
+# (B, R) rewards, values and response mask, and ReMax's (B,) baselines, to (B, R) advantages
+# and returns. A group is contiguous rows (Collector); answers masked out of the losses (mask
+# all False) stay out of their group's statistics.
+
+
+def _gae(shaping: Shaping, rewards, values, mask, baselines):
+    return algos.gae(rewards, values, mask, shaping.gamma, shaping.lam)
+
+
+def answer_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return algos.masked_sum(rewards, mask, dim=-1)  # (B,): the score, less any KL in the reward
+
+
+def _grpo(shaping: Shaping, rewards, values, mask, baselines):
+    scores = answer_rewards(rewards, mask)
+    per_answer = algos.group_advantages(
+        scores, shaping.group_size, shaping.std_normalize, mask.any(-1)
+    )
+    advantages = algos.token_advantages(per_answer, mask)
+    return advantages, advantages
+
+
+def _rloo(shaping: Shaping, rewards, values, mask, baselines):
+    per_answer = algos.rloo_advantages(
+        answer_rewards(rewards, mask), shaping.group_size, mask.any(-1)
+    )
+    advantages = algos.token_advantages(per_answer, mask)
+    return advantages, advantages
+
+
+def _reinforce_pp(shaping: Shaping, rewards, values, mask, baselines):
+    returns = algos.discounted_returns(rewards, mask, shaping.gamma)  # whitened later: whitens
+    return returns, returns
+
+
+def _remax(shaping: Shaping, rewards, values, mask, baselines):
+    advantages = algos.remax_advantages(rewards, baselines, mask)
+    return advantages, advantages
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "gae": _gae,
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+    "remax": _remax,
+}
+# the estimators whose baseline is the reward of a greedy answer to the same prompt
+GREEDY_BASELINE = ("remax",)
+
+
+def whitens(ppo: PPOConfig) -> bool:
+    """Whether an iteration's advantages are whitened over the rollout: REINFORCE++ always
+    (its baseline), GAE with ppo.whiten_advantages, the group estimators never (their
+    advantages are already relative to the prompt's other answers)."""
+    if ppo.advantage_estimator == "gae":
+        return ppo.whiten_advantages
+    return ppo.advantage_estimator == "reinforce_pp"
