@@ -552,6 +552,12 @@ class PPOConfig:
         return self.advantage_estimator == "gae"
 
     @property
+    def reads_critic_path(self) -> bool:
+        """critic.model.path names the critic's start (GAE) or the reward model (no function);
+        a critic-free estimator with ppo.reward_function reads neither."""
+        return self.uses_critic or self.reward_function is None
+
+    @property
     def normalizes_reward(self) -> bool:
         """normalize_reward, resolved: null is on for a reward model, off for a function."""
         if self.normalize_reward is None:
@@ -843,7 +849,7 @@ class Config:
         if self.step.name == "dpo" and self.model.path is None:
             out.append(("model.path", None, "the SFT export (RUN/sft/model), or run algo=dpo"))
         if self.step.name == "ppo":
-            for role in ("actor", "critic"):
+            for role in ("actor", "critic") if self.ppo.reads_critic_path else ("actor",):
                 if getattr(self, role).model.path is None:
                     out.append(
                         (

@@ -286,6 +286,18 @@ def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
 # ---------------------------------------------------------------- algo options and the sweep
 
 
+def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
+    """critic.model.path names the critic's start (GAE) or the reward model; GRPO scored by a
+    function reads neither, so it is not asked for, and GAE still is."""
+    actor = ["step=ppo", "actor.model.path=/tmp", "ppo.reward_function=toy_gold"]
+    config = validated(compose([*actor, "algo=grpo"]))
+    assert config.critic.model.path is None and not config.ppo.reads_critic_path
+    with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
+        validated(compose(actor))  # GAE trains a critic from it
+    with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
+        validated(compose(["step=ppo", "actor.model.path=/tmp", "algo=grpo"]))  # reward model
+
+
 @pytest.mark.parametrize(
     ("algo", "estimator", "critic_free"),
     [

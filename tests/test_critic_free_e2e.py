@@ -1,6 +1,7 @@
 """The critic-free estimators end to end on a reduced embedded default, from one short SFT run
-with a rule-based reward (sft -> rl): each estimator runs, builds and exports no critic and logs
-its metrics; GRPO on 2 ranks with ZeRO-3 reproduces one ZeRO-0 process."""
+with a rule-based reward (sft -> rl) and no critic.model.path: each estimator runs, builds and
+exports no critic and logs its metrics; GRPO on 2 ranks with ZeRO-3 reproduces one ZeRO-0
+process."""
 
 import math
 
@@ -28,7 +29,6 @@ def _rl(sft, cache_dir, *overrides) -> list[str]:
         "step=ppo",
         *FAST,
         f"actor.model.path={sft}",
-        f"critic.model.path={sft}",  # names the reward model only; here a rule scores
         REWARD,
         "ppo.per_device_generation_batch_size=4",
         "ppo.max_new_tokens=16",

@@ -173,6 +173,8 @@ def load_tokenizer_pair(cfg: Config):
     """The tokenizer all four models share: the actor's; the critic's must be the same, since
     it scores the actor's tokens."""
     tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
+    if not cfg.ppo.reads_critic_path:  # no critic and no reward model
+        return tokenizer
     critic_tokenizer = load_tokenizer(cfg.critic.model, cfg.critic.model.path)
     if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(critic_tokenizer):
         raise ConfigError(
@@ -185,7 +187,8 @@ def load_tokenizer_pair(cfg: Config):
 def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
     """How the reward model's scores are read: the (mean, std) to normalise them by
     (ppo.normalize_reward) and the score position, from the reward export's statistics."""
-    stats = read_stats(cfg.critic.model.path)
+    path = cfg.critic.model.path
+    stats = read_stats(path) if path is not None else None
     if cfg.ppo.normalizes_reward and stats is None:
         raise ConfigError(
             f"ppo.normalize_reward=true: {cfg.critic.model.path} has no reward_stats.json "

@@ -103,9 +103,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         models.critic.train()
     else:
         log.info(
-            "ppo.advantage_estimator=%s: no critic is built; the critic.* keys are ignored but "
-            "critic.model.path, which names the reward model",
+            "ppo.advantage_estimator=%s: no critic is built; the critic.* keys are ignored%s",
             ppo.advantage_estimator,
+            " but critic.model.path, which names the reward model" if ppo.reads_critic_path else "",
         )
     composed = cfg  # what checkpoints record and resume=auto compares: the keys as set (null)
     if ppo.packing is None:  # packed rows wherever every model's attention takes their mask
