@@ -183,6 +183,8 @@ def test_job_command_runs_rlhf_in_run_mode_in_the_job_dir():
     assert cmd[:3] == ["py", "-m", "rlhf"] and "hydra.mode=RUN" in cmd
     [run_dir] = [a for a in cmd if a.startswith("hydra.run.dir=")]
     assert OverridesParser.create().parse_override(run_dir).value() == str(job_dir)
+    [sweep_dir] = [a for a in cmd if a.startswith("hydra.sweep.dir=")]
+    assert OverridesParser.create().parse_override(sweep_dir).value() == "/s"
     cmd = mechanics.job_command([], job_dir, nproc_per_node=2, python="py")
     assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     assert cmd[cmd.index("-m", 3) + 1] == "rlhf"
@@ -336,6 +338,9 @@ def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_di
         named = sorted(o for o in record["overrides"] if o.split("=")[0] not in NOT_IN_NAMES)
         assert Path(row["path"]) == sweep_dir / ",".join(named)
         assert "zero=stage" in Path(row["path"]).name
+        if row["status"] == "COMPLETED":  # ${hydra:sweep.dir} in a job is its sweep's
+            hydra_yaml = OmegaConf.load(Path(row["path"]) / ".hydra" / "hydra.yaml")
+            assert Path(hydra_yaml.hydra.sweep.dir) == sweep_dir
 
     from rlhf.tools import compare
 

@@ -110,7 +110,8 @@ class RlhfLauncher(Launcher):
             *self._logger_group(sweep_config, overrides),
             *mechanics.job_hydra_overrides(list(self.config.hydra.overrides.hydra)),
         ]
-        cmd = mechanics.job_command(args, job_dir, self.nproc_per_node, self.python)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        cmd = mechanics.job_command(args, job_dir, self.nproc_per_node, self.python, sweep_dir)
         record = {"index": idx, "overrides": overrides, "nproc_per_node": self.nproc_per_node}
         self.jobs.append((idx, job_dir))
         result = mechanics.run_job_process(cmd, job_dir, record, self.timeout_s)

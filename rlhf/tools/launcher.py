@@ -103,17 +103,25 @@ def safe_dirname(override_dirname: str, max_bytes: int = 240) -> str:
 
 
 def job_command(
-    args: list[str], job_dir: Path, nproc_per_node: int = 1, python: str | None = None
+    args: list[str],
+    job_dir: Path,
+    nproc_per_node: int = 1,
+    python: str | None = None,
+    sweep_dir: Path | None = None,
 ) -> list[str]:
-    """``python -m rlhf ARGS hydra.mode=RUN hydra.run.dir=JOB_DIR``, under torchrun for N > 1.
-    ``hydra.mode=RUN``: a sweep file sets MULTIRUN, which would make each job a sweep again."""
+    """``python -m rlhf ARGS hydra.mode=RUN hydra.run.dir=JOB_DIR hydra.sweep.dir=SWEEP_DIR``,
+    under torchrun for N > 1. ``hydra.mode=RUN``: a sweep file sets MULTIRUN, which would make
+    each job a sweep again. ``hydra.sweep.dir`` (default: the job dir's parent): the job's
+    ${hydra:sweep.dir} is its sweep's, not the sweep file's pattern resolved at the job's start."""
     python = python or sys.executable
     if nproc_per_node > 1:
         head = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
         head += ["--master_port", str(free_port()), "-m", "rlhf"]
     else:
         head = [python, "-m", "rlhf"]
-    return [*head, *args, "hydra.mode=RUN", f"hydra.run.dir={quote(str(job_dir))}"]
+    sweep_dir = sweep_dir or job_dir.parent
+    dirs = [f"hydra.run.dir={quote(str(job_dir))}", f"hydra.sweep.dir={quote(str(sweep_dir))}"]
+    return [*head, *args, "hydra.mode=RUN", *dirs]
 
 
 def quote(value: str) -> str:
