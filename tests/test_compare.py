@@ -172,3 +172,29 @@ def test_command_line(runs, tmp_path):
         timeout=120,
     )
     assert missing.returncode == 2 and "not a run or sweep directory" in missing.stderr
+
+
+def test_an_algorithm_sweep_compares_ppo_and_dpo_in_the_same_last_step_columns(tmp_path):
+    """step=all jobs of sft -> reward -> ppo and sft -> dpo: last/ holds each pipeline's own
+    step, so one column compares them; the launcher's summary_metrics pick the columns."""
+    ppo = {"sft/eval/gold_accuracy": 0.03, "reward/eval/accuracy": 0.95}
+    ppo |= {"ppo/eval/gold_accuracy": 0.83, "ppo/perf/gen_tokens": 9000.0}
+    dpo = {"sft/eval/gold_accuracy": 0.03, "dpo/eval/gold_accuracy": 0.4}
+    for name, summary in (("algo=ppo", ppo), ("algo=dpo", dpo)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    records = [sweep_summary.load_record(tmp_path / n) for n in ("algo=ppo", "algo=dpo")]
+    assert records[0].metrics["last/eval/gold_accuracy"] == 0.83
+    assert records[1].metrics["last/eval/gold_accuracy"] == 0.4
+    assert "last/perf/gen_tokens" not in records[1].metrics
+    markdown = sweep_summary.write_summary(
+        records, tmp_path, "job", ["sft/eval/gold_accuracy", "last/eval/gold_accuracy"]
+    )
+    assert "| job | overrides | status | sft/eval/gold_accuracy | last/eval/gold_accuracy |" in (
+        markdown
+    )
+    assert "| 0.03 | 0.83 |" in markdown and "| 0.03 | 0.4 |" in markdown
+    # a single step's run has no last/ keys
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "summary.json").write_text(json.dumps({"eval/loss": 1.0}))
+    assert sweep_summary.load_record(tmp_path / "one").metrics == {"eval/loss": 1.0}

@@ -60,6 +60,9 @@ def test_runs_that_read_the_same_keys_share_their_steps(tmp_path):
     # a key only the reward step reads: the same SFT, another reward model
     reward_only = _dirs([*share, "reward.share_prompt=true"], tmp_path / "f")[1]
     assert reward_only["sft"] == ppo["sft"] and reward_only["reward"] != ppo["reward"]
+    # another share dir: the same names (the reward's model.path counts by the SFT's name)
+    moved = _dirs([f"pipeline.share_dir={tmp_path / 'moved'}"], tmp_path / "h")[1]
+    assert {s: d.name for s, d in moved.items()} == {s: d.name for s, d in ppo.items()}
     # without a share_dir every step runs in the run dir
     assert _dirs([], tmp_path / "g")[1] == {}
 

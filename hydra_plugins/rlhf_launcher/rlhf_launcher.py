@@ -38,6 +38,8 @@ class RlhfLauncherConf:
     nproc_per_node: int = 1  # ranks per job; > 1 runs each job under torch.distributed.run
     timeout_s: float | None = None  # stop a job after this long (it is marked FAILED); null: never
     python: str | None = None  # the jobs' interpreter; null: the one running the sweep
+    # summary.md's metric columns (patterns, e.g. last/eval/*); null: the usual headline metrics
+    summary_metrics: list[str] | None = None
 
 
 ConfigStore.instance().store(
@@ -47,13 +49,18 @@ ConfigStore.instance().store(
 
 class RlhfLauncher(Launcher):
     def __init__(
-        self, nproc_per_node: int = 1, timeout_s: float | None = None, python: str | None = None
+        self,
+        nproc_per_node: int = 1,
+        timeout_s: float | None = None,
+        python: str | None = None,
+        summary_metrics: Sequence[str] | None = None,
     ) -> None:
         if nproc_per_node < 1:
             raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node}: expected >= 1")
         self.nproc_per_node = nproc_per_node
         self.timeout_s = timeout_s
         self.python = python
+        self.summary_metrics = list(summary_metrics) if summary_metrics else None
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.jobs: list[tuple[int, Path]] = []  # every job launched so far, over all batches
@@ -190,4 +197,4 @@ class RlhfLauncher(Launcher):
 
     def _write_summary(self, sweep_dir: Path) -> str:
         records = [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
-        return sweep_summary.write_summary(records, sweep_dir, first="job")
+        return sweep_summary.write_summary(records, sweep_dir, "job", self.summary_metrics)

@@ -82,15 +82,21 @@ def compose_steps(
         extra = step_overrides(step, run_dir, config.pipeline.reward_from_sft, with_reward, dirs)
         out[step] = composed(step, extra)
         if step != order[-1] and config.pipeline.share_dir is not None:
-            dirs[step] = shared_dir(step, out[step])
+            dirs[step] = shared_dir(step, out[step], dirs)
     return out
 
 
-def shared_dir(step: str, cfg: DictConfig) -> Path:
-    """pipeline.share_dir/<step>-<hash of the keys ``step`` reads, as ``cfg`` sets them>."""
+def shared_dir(step: str, cfg: DictConfig, earlier: dict[str, Path]) -> Path:
+    """pipeline.share_dir/<step>-<hash of the keys ``step`` reads, as ``cfg`` sets them>; a path
+    into an ``earlier`` shared step counts by that step's name, so moving the share dir keeps
+    the names."""
     keys = flat(OmegaConf.to_container(cfg, resolve=True))
     unread = NOT_READ_BY[step]
     read = {k: v for k, v in keys.items() if not resumable(k) and k.split(".")[0] not in unread}
+    for key, value in read.items():
+        for where in earlier.values():
+            if isinstance(value, str) and value.startswith(str(where)):
+                read[key] = "<share_dir>/" + value[len(str(where.parent)) + 1 :]
     digest = hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()
     return Path(cfg.pipeline.share_dir).expanduser().absolute() / f"{step}-{digest[:12]}"
 
@@ -99,11 +105,11 @@ def shared_dirs(composed: dict[str, DictConfig]) -> dict[str, Path]:
     """Where the shared steps of ``composed`` (compose_steps' answer) run; none without a
     pipeline.share_dir. The last step is the run's own."""
     *before, _last = composed
-    return {
-        step: shared_dir(step, composed[step])
-        for step in before
-        if composed[step].pipeline.share_dir is not None
-    }
+    dirs: dict[str, Path] = {}
+    for step in before:
+        if composed[step].pipeline.share_dir is not None:
+            dirs[step] = shared_dir(step, composed[step], dirs)
+    return dirs
 
 
 def exports(run_dir: Path, steps=tuple(EXPORTS), dirs=None) -> tuple[Path, ...]:

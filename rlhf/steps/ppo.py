@@ -228,6 +228,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         **{k: v for k, v in run.tracker.summary_metrics.items() if k.startswith("ppo/")},
         **{
             "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
+            # answer tokens the rollouts generated, all ranks (since the last resume)
+            "perf/gen_tokens": all_reduce_sum(float(gen_speed.tokens))[0],
             "perf/s_per_iter": (gen_speed.seconds + train_speed.seconds)
             / max(state.global_step, 1),
             "eval/hacking_warnings": evaluator.warnings,

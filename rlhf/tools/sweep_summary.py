@@ -4,7 +4,8 @@ throughput, peak memory and wall time. The sweep launcher writes it as ``summary
 
 What a row reads from a run directory:
   job.json            written by the rlhf launcher: index, overrides, status, exit code, wall time
-  summary.json        the run's final metrics (flat; step=all prefixes them with sft/, reward/, ppo/)
+  summary.json        the run's final metrics (flat; step=all prefixes them with sft/, reward/, ppo/,
+                      dpo/, and the table adds last/: its pipeline's last step's, ppo/ or dpo/)
   .hydra/overrides.yaml   the command-line overrides, when there is no job.json
   job.log             the job's output: its last ``error:`` line explains a failed job
 Standard library only (Hydra imports this module while scanning plugins).
@@ -24,7 +25,8 @@ from typing import Any
 JOB_FILE = "job.json"
 _NO_INDEX = 1 << 30
 LOG_FILE = "job.log"
-STEP_DIRS = ("sft", "reward", "ppo")
+STEP_DIRS = ("sft", "reward", "ppo", "dpo")  # in pipeline order
+LAST = "last/"  # step=all: the metrics of the pipeline's last step, PPO's or DPO's alike
 
 # The metrics a markdown table shows by default, in this order; step=all's prefixed keys
 # (sft/eval/ppl) match on their suffix. The CSV has every key.
@@ -142,7 +144,7 @@ def _anchor(path: Path) -> tuple[Path, str]:
 def load_record(path: Path, label: str | None = None) -> RunRecord:
     path = Path(path)
     job = _read_json(path / JOB_FILE)
-    metrics = _read_json(path / "summary.json")
+    metrics = with_last_step(_read_json(path / "summary.json"))
     overrides = job.get("overrides") or _read_overrides(path)
     parent_job = _read_json(path.parent / JOB_FILE) if path.name in STEP_DIRS else {}
     if job.get("status"):
@@ -157,6 +159,19 @@ def load_record(path: Path, label: str | None = None) -> RunRecord:
         wall = sum(walls) if walls else None
     note = job.get("note", "") or (_error_line(path / LOG_FILE) if status == "FAILED" else "")
     return RunRecord(path, label or path.name, status, list(overrides), metrics, wall, note)
+
+
+def with_last_step(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A step=all summary plus its last step's metrics as last/<key>, so PPO and DPO runs of an
+    algorithm sweep share columns."""
+    steps = [s for s in STEP_DIRS if any(k.startswith(f"{s}/") for k in metrics)]
+    if not steps:
+        return metrics
+    prefix = f"{steps[-1]}/"
+    return {
+        **metrics,
+        **{LAST + k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)},
+    }
 
 
 def load_records(paths: list[Path]) -> list[RunRecord]:
@@ -276,10 +291,13 @@ def write_csv(records: list[RunRecord], path: Path, first: str = "run") -> None:
             writer.writerow(row + [r.metrics.get(k, "") for k in keys])
 
 
-def write_summary(records: list[RunRecord], out_dir: Path, first: str = "run") -> str:
-    """``summary.md`` and ``summary.csv`` in ``out_dir``; returns the markdown."""
+def write_summary(
+    records: list[RunRecord], out_dir: Path, first: str = "run", columns: list[str] | None = None
+) -> str:
+    """``summary.md`` (``columns``: metric_columns' patterns) and ``summary.csv`` in
+    ``out_dir``; returns the markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = to_markdown(records, first=first)
+    markdown = to_markdown(records, columns, first=first)
     (out_dir / "summary.md").write_text(markdown)
     write_csv(records, out_dir / "summary.csv", first=first)
     return markdown
