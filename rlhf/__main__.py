@@ -101,15 +101,16 @@ def _check_before_writing(
             f"pipeline.share_dir={config.pipeline.share_dir!r}: only step=all reads it "
             f"(step={config.step.name} reads its models from their paths); drop it"
         )
-    runs = (
-        [(config, run_dir, ())]
-        if steps is None
-        else [
-            # a shared step resumes whatever the later steps set
+    if steps is None:
+        runs = [(config, run_dir, ())]
+    else:  # a complete step is skipped, not resumed; a shared one resumes whatever later steps set
+        from rlhf.steps.all import is_complete
+
+        runs = [
             (c, shared[n], NOT_READ_BY[n]) if n in shared else (c, run_dir / n, ())
             for n, (c, _) in steps.items()
         ]
-    )
+        runs = [(c, d, unread) for (c, d, unread), n in zip(runs, steps) if not is_complete(d, n)]
     for step_config, step_dir, unread in runs:
         problem = resume_problem(step_config, step_dir, unread)
         raise_problems([problem] if problem else [], "resume")

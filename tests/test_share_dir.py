@@ -105,3 +105,14 @@ def test_a_dpo_run_after_a_ppo_run_starts_from_the_same_sft_model(tmp_path, cach
     # both summaries carry the one SFT run's numbers
     ppo, dpo = read_summary(tmp_path / "ppo"), read_summary(tmp_path / "dpo")
     assert ppo["sft/eval/loss"] == dpo["sft/eval/loss"]
+
+    # the share dir moved: its complete steps keep their names and are read, not resumed (their
+    # checkpoints recorded the old paths)
+    shared.rename(tmp_path / "moved")
+    common[common.index(f"pipeline.share_dir={shared}")] = (
+        f"pipeline.share_dir={tmp_path / 'moved'}"
+    )
+    third = run_rlhf([*common, "algo=grpo"], run_dir=tmp_path / "grpo", extra_env=env)
+    assert "step=all: running sft" not in third.stdout
+    assert "step=all: running reward" not in third.stdout
+    assert (tmp_path / "grpo" / "ppo" / "actor" / "config.json").is_file()
