@@ -199,7 +199,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
             train_speed.start()
             update_stats = ppo_update(models, experiences, cfg, state, ptx, run.guard, kl.value)
-            train_speed.stop(update_stats.pop("tokens"), plan.global_batch_size)
+            # samples: the answers the update trains on (a group method's n per prompt)
+            answers = plan.global_batch_size * ppo.num_samples_per_prompt
+            train_speed.stop(update_stats.pop("tokens"), answers)
             rollout_stats = rollout_metrics(experiences)
             if ema is not None:
                 ema.update(models.actor.module)
