@@ -10,7 +10,7 @@ import hydra
 import pytest
 
 from rlhf.config import register_configs
-from rlhf.steps.all import compose_steps, shared_dirs
+from rlhf.steps.all import _link, compose_steps, shared_dirs
 from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
@@ -65,6 +65,21 @@ def test_runs_that_read_the_same_keys_share_their_steps(tmp_path):
     assert {s: d.name for s, d in moved.items()} == {s: d.name for s, d in ppo.items()}
     # without a share_dir every step runs in the run dir
     assert _dirs([], tmp_path / "g")[1] == {}
+
+
+def test_the_run_dirs_link_follows_the_step_it_read(tmp_path):
+    first, second = tmp_path / "shared" / "sft-a", tmp_path / "shared" / "sft-b"
+    first.mkdir(parents=True)
+    second.mkdir()
+    link = tmp_path / "run" / "sft"
+    _link(link, first)
+    assert link.is_symlink() and link.resolve() == first
+    _link(link, second)  # run again in the same run dir with another SFT config
+    assert link.resolve() == second
+    own = tmp_path / "own" / "sft"
+    own.mkdir(parents=True)  # a step this run dir trained itself is left alone
+    _link(own, first)
+    assert not own.is_symlink()
 
 
 def test_share_dir_outside_step_all_is_refused(tmp_path):

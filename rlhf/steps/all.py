@@ -148,13 +148,18 @@ def run(
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
         info.run_dir.mkdir(parents=True, exist_ok=True)
-        flat = {key: plain(value) for key, value in summary.items()}
-        (info.run_dir / "summary.json").write_text(json.dumps(flat, indent=2, sort_keys=True))
+        plain_summary = {key: plain(value) for key, value in summary.items()}
+        text = json.dumps(plain_summary, indent=2, sort_keys=True)
+        (info.run_dir / "summary.json").write_text(text)
     return summary
 
 
 def _link(link: Path, step_dir: Path) -> None:
     """<run_dir>/<step> -> the shared step, so the run dir reads like one that trained it."""
-    if is_main() and not link.is_symlink():
+    if not is_main():
+        return
+    if link.is_symlink() and link.resolve() != step_dir.resolve():
+        link.unlink()  # the run dir's step was another config's (a run again with new values)
+    if not link.is_symlink() and not link.exists():
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(step_dir, target_is_directory=True)
