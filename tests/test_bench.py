@@ -270,6 +270,15 @@ def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
     run = bench.merged(shared, ppo["baseline"])
     assert "step.eval_at_start=false" in run and "step.eval_at_start=true" not in run
     assert len({o.split("=", 1)[0] for o in run}) == len(run)  # no key twice
+    # rlhf's own decoding, sampled at T=1, in both modes
+    sampled = bench.parse_args(
+        [
+            *("--out", str(tmp_path), "--scenario", "dschat", "--no-trl"),
+            *("--ppo-decoding", "sampled"),
+        ]
+    )
+    ppo = bench.section_modes("ppo", sampled, "ACTOR", "CRITIC")
+    assert all("ppo.greedy=false" in ppo[mode] for mode in ("fast", "baseline"))
 
 
 @pytest.mark.slow

@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--scale", type=float, default=1.0, help="dschat: its rows and PPO iterations times this"
     )
+    p.add_argument(
+        "--ppo-decoding",
+        default="greedy",
+        choices=("greedy", "sampled"),
+        help="dschat: PPO answers of both modes greedy (DeepSpeed-Chat's) or sampled at T=1 "
+        "(rlhf's default); each pair decodes alike, so answer lengths match",
+    )
     known, _ = p.parse_known_args(argv)
     if known.scenario == "dschat":  # its shapes become the defaults; options still override
         p.set_defaults(**DSCHAT)
@@ -430,9 +437,9 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             [] if args.no_packing else ["ppo.packing=true"]
         )
         modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}
-        return dschat_modes(section, modes) if args.scenario == "dschat" else modes
+        return dschat_modes(section, modes, args) if args.scenario == "dschat" else modes
     if args.scenario == "dschat":
-        modes = dschat_modes(section, modes)
+        modes = dschat_modes(section, modes, args)
     if not args.no_trl and trl_version():
         modes["trl"] = None
     return modes
@@ -452,10 +459,12 @@ DSCHAT_PPO_BASELINE_EVAL = [
 ]
 
 
-def dschat_modes(section: str, modes: dict[str, list[str]]) -> dict[str, list[str]]:
-    """The dschat scenario's additions to each mode's overrides."""
+def dschat_modes(section: str, modes: dict[str, list[str]], args) -> dict[str, list[str]]:
+    """The dschat scenario's additions to each mode's overrides (PPO: both modes decode as
+    --ppo-decoding says)."""
     if section == "ppo":
-        extra = {"fast": ["ppo.greedy=true"], "baseline": ["ppo.greedy=true"]}
+        greedy = f"ppo.greedy={str(args.ppo_decoding == 'greedy').lower()}"
+        extra = {"fast": [greedy], "baseline": [greedy]}
         extra["baseline"] += DSCHAT_PPO_BASELINE_EVAL
     else:
         epochs = f"optim.epochs={DSCHAT_EPOCHS[section]}"
