@@ -81,11 +81,15 @@ def test_steady_rates_leave_out_the_first_step():
 
 
 def test_steady_rates_of_ppo_are_the_median_iteration_after_the_first():
+    """...and the answer length and KL are means over every iteration, not the last one's (a
+    batch of 8 answers: 66 tokens there where the run's mean was 28)."""
     rows = [
-        {"step": i, "perf/s_per_iter": s, "perf/samples_per_s": 1.0}
-        for i, s in enumerate([9, 3, 5, 4])
+        {"step": i, "perf/s_per_iter": s, "perf/samples_per_s": 1.0, "ppo/response_length": n}
+        | {"ppo/kl": kl}
+        for i, (s, n, kl) in enumerate([(9, 10, 0.0), (3, 20, 0.1), (5, 30, 0.2), (4, 60, 0.5)])
     ]
-    assert bench.steady_rates(rows) == {"bench/s_per_iter": 4}
+    rates = bench.steady_rates(rows)
+    assert rates == {"bench/s_per_iter": 4, "bench/response_length": 30, "bench/kl": 0.2}
 
 
 def opt_config(hidden=64, layers=3, vocab=1280, ffn=256) -> OPTConfig:

@@ -333,8 +333,11 @@ def steady_rates(rows: list[dict]) -> dict[str, float]:
     has the same number of samples, so ``step / samples_per_s`` is elapsed time in units of
     one step's samples (which cancel)."""
     if rows and "perf/s_per_iter" in rows[0]:  # PPO: each row times its own whole iteration
+        # answer length and KL over every iteration (the summary holds the last one's)
         return {
-            "bench/s_per_iter": statistics.median([r["perf/s_per_iter"] for r in rows[1:] or rows])
+            "bench/s_per_iter": statistics.median([r["perf/s_per_iter"] for r in rows[1:] or rows]),
+            "bench/response_length": statistics.mean(r["ppo/response_length"] for r in rows),
+            "bench/kl": statistics.mean(r["ppo/kl"] for r in rows),
         }
     if len(rows) < 2:
         return {}
@@ -532,7 +535,8 @@ def run_metrics(summary: dict) -> dict[str, float]:
         out["samples_per_s"] = None
         out["s_per_iter"] = summary.get("bench/s_per_iter")
         out["gen_tokens_per_s"] = summary["perf/gen_tokens_per_s"]
-        out["response_length"] = summary.get("ppo/response_length")
+        out["response_length"] = summary.get("bench/response_length")
+        out["kl"] = summary.get("bench/kl")
     return out
 
 
@@ -753,7 +757,8 @@ COLUMNS = (  # (metric, header, format)
     ("tokens_per_s", "train tok/s", "{:.0f}"),
     ("s_per_iter", "s/iter", "{:.2f}"),
     ("gen_tokens_per_s", "gen tok/s", "{:.0f}"),
-    ("response_length", "answer len", "{:.0f}"),
+    ("response_length", "answer len", "{:.0f}"),  # PPO: means over the run's iterations
+    ("kl", "KL", "{:.2f}"),
     ("peak_mem_gb", "peak GB", "{:.2f}"),
     ("mfu", "MFU", "{:.1%}"),
     ("wall_s", "wall s", "{:.0f}"),
