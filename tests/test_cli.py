@@ -3,9 +3,12 @@ values refused in a second or two with a message, not a traceback. Nothing train
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from omegaconf import OmegaConf
 
+from rlhf.__main__ import ONEDNN_CACHES
 from tests.conftest import cache_overrides, run_rlhf
 
 NO_TRACE = {"HYDRA_FULL_ERROR": "0"}  # Hydra's short messages, whatever the caller's shell says
@@ -90,3 +93,22 @@ def test_bad_value_fails_fast_with_a_message(overrides, status, named, tmp_path)
     assert not (run_dir / "model").exists()
     assert not (cache / "models").exists()
     assert not (cache / "data").exists()
+
+
+def test_onednn_caches_are_capped_before_torch_loads_unless_the_user_set_them():
+    """bf16 matmuls on CPU cache a oneDNN primitive per shape; unpadded batches made SFT's peak
+    memory grow to 2.1 GB on the dschat bench (docs/performance.md). The caps must be in the
+    environment before torch (and oneDNN) is imported, and a user's own value must win."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; import rlhf.__main__ as m; "
+        "print([os.environ[k] for k in m.ONEDNN_CACHES], 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHES}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "['16', '16'] False", out.stderr
+    env["LRU_CACHE_CAPACITY"] = "8"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "['16', '8'] False", out.stderr
