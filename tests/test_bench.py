@@ -9,6 +9,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, OPTConfig
 
+from rlhf.__main__ import ONEDNN_CACHES
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.data.sampling import EpochPlan
 from rlhf.tools import bench
@@ -341,3 +342,19 @@ def test_a_run_reports_its_evaluation_time_and_its_share_of_the_wall_time(tmp_pa
     assert summary["perf/wall_s"] == 20.0
     assert summary["perf/eval_share"] == 0.25
     assert json.loads((tmp_path / "summary.json").read_text())["perf/eval_share"] == 0.25
+
+
+def test_the_baseline_runs_with_the_libraries_onednn_caches(tmp_path, monkeypatch):
+    """rlhf caps oneDNN's caches (rlhf/__main__.py); DeepSpeed-Chat does not, so the baseline
+    runs with the libraries' defaults and the fast mode with rlhf's own."""
+    seen = {}
+
+    def fake_run(overrides, run_dir, args, env=None):
+        seen[run_dir.name] = env
+        return {"perf/samples_per_s": 1.0, "perf/tokens_per_s": 1.0, "perf/peak_mem_gb": 1.0}
+
+    monkeypatch.setattr(bench, "run_rlhf", fake_run)
+    args = bench.parse_args(["--out", str(tmp_path), "--no-trl", "--repeats", "1"])
+    bench.measure("sft", args, tmp_path / "d.jsonl", "ACTOR", "CRITIC")
+    assert seen == {"sft-fast-0": None, "sft-baseline-0": bench.BASELINE_ENV}
+    assert set(bench.BASELINE_ENV) == set(ONEDNN_CACHES)

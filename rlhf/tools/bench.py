@@ -302,26 +302,32 @@ def launch(module_args: list[str], ranks: int) -> list[str]:
     ]
 
 
-def run_logged(module_args: list[str], run_dir: Path, args) -> float:
-    """``python -m MODULE_ARGS`` (on ``args.ranks`` ranks), its output in run_dir/output.log;
-    returns its wall time."""
+# DeepSpeed-Chat's runs leave oneDNN's caches at the libraries' defaults (rlhf caps them: see
+# ONEDNN_CACHES in rlhf/__main__.py), so the baseline runs with those
+BASELINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
+
+
+def run_logged(module_args: list[str], run_dir: Path, args, env: dict | None = None) -> float:
+    """``python -m MODULE_ARGS`` (on ``args.ranks`` ranks; ``env`` on top of run_env), its output
+    in run_dir/output.log; returns its wall time."""
     cmd = launch(module_args, args.ranks)
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     started = time.perf_counter()
+    env = {**run_env(args.threads), **(env or {})}
     with (run_dir / "output.log").open("w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=run_env(args.threads), stdout=log, stderr=log)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
     if proc.returncode != 0:
         tail = (run_dir / "output.log").read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
     return time.perf_counter() - started
 
 
-def run_rlhf(overrides: list[str], run_dir: Path, args) -> dict:
+def run_rlhf(overrides: list[str], run_dir: Path, args, env: dict | None = None) -> dict:
     """``python -m rlhf OVERRIDES`` into ``run_dir``; returns its summary.json plus, from
     metrics.jsonl, the rates after the first (warm-up) step and the run's wall time."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
     run_dir.mkdir(parents=True)
-    wall = run_logged(["rlhf", *overrides, f"hydra.run.dir={run_dir}"], run_dir, args)
+    wall = run_logged(["rlhf", *overrides, f"hydra.run.dir={run_dir}"], run_dir, args, env)
     summary = {**json.loads((run_dir / "summary.json").read_text()), "bench/wall_s": wall}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {**summary, **steady_rates([r for r in rows if "perf/samples_per_s" in r])}
@@ -510,7 +516,8 @@ def measure(section: str, args, data: Path, actor: str, critic: str) -> dict[str
                 model = actor if section == "sft" else critic
                 result = run_trl(section, fast_dir, model, steps, run_dir, args)
             else:
-                result = run_metrics(run_rlhf(merged(shared, overrides), run_dir, args))
+                env = BASELINE_ENV if mode == "baseline" else None
+                result = run_metrics(run_rlhf(merged(shared, overrides), run_dir, args, env))
             results[mode].append({**result, "peak_flops": peak})
     return results
 
