@@ -110,6 +110,13 @@ def _check_before_writing(
             f"pipeline.share_dir={config.pipeline.share_dir!r}: only step=all reads it "
             f"(step={config.step.name} reads its models from their paths); drop it"
         )
+    share_dir = config.pipeline.share_dir
+    share_path = Path(share_dir).expanduser() if share_dir is not None else None
+    if share_path is not None and share_path.exists() and not share_path.is_dir():
+        raise ConfigError(
+            f"pipeline.share_dir={share_dir!r}: that is a file; expected a directory (it is "
+            "made if missing)"
+        )
     if steps is None:
         runs = [(config, run_dir, ())]
     else:  # a complete step is skipped, not resumed; a shared one resumes whatever later steps set

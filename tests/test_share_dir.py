@@ -89,6 +89,12 @@ def test_share_dir_outside_step_all_is_refused(tmp_path):
     assert proc.returncode == 2
     assert "pipeline.share_dir=" in proc.stderr and "only step=all reads it" in proc.stderr
     assert not (tmp_path / "run" / ".hydra").exists()  # nothing recorded but the log
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    proc = run_rlhf(
+        ["step=all", f"pipeline.share_dir={a_file}"], run_dir=tmp_path / "run2", check=False
+    )
+    assert proc.returncode == 2 and "that is a file; expected a directory" in proc.stderr
 
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ class RlhfLauncher(Launcher):
         assert self.config is not None and self.hydra_context is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        sweep_dir = self._sweep_dir()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(
             f"Launching {len(job_overrides)} job(s) in {sweep_dir}, one process group each, "
@@ -117,8 +117,9 @@ class RlhfLauncher(Launcher):
             *self._logger_group(sweep_config, overrides),
             *mechanics.job_hydra_overrides(list(self.config.hydra.overrides.hydra)),
         ]
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
-        cmd = mechanics.job_command(args, job_dir, self.nproc_per_node, self.python, sweep_dir)
+        cmd = mechanics.job_command(
+            args, job_dir, self.nproc_per_node, self.python, self._sweep_dir()
+        )
         record = {"index": idx, "overrides": overrides, "nproc_per_node": self.nproc_per_node}
         self.jobs.append((idx, job_dir))
         result = mechanics.run_job_process(cmd, job_dir, record, self.timeout_s)
@@ -143,8 +144,7 @@ class RlhfLauncher(Launcher):
     def _job_dir(self, sweep_config: DictConfig | None, overrides: list[str]) -> Path:
         """``${hydra.sweep.dir}/${hydra.sweep.subdir}``, resolved as Hydra's run_job does, with
         ``hydra.job.override_dirname`` made a valid directory name (see safe_dirname)."""
-        assert self.config is not None
-        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        sweep_dir = self._sweep_dir()
         if sweep_config is None:
             return sweep_dir / mechanics.safe_dirname(",".join(sorted(overrides)))
         job = sweep_config.hydra.job
@@ -194,6 +194,10 @@ class RlhfLauncher(Launcher):
         )
         ret.status, ret.return_value = JobStatus.FAILED, err
         return ret, err
+
+    def _sweep_dir(self) -> Path:
+        assert self.config is not None
+        return Path(str(self.config.hydra.sweep.dir)).absolute()
 
     def _write_summary(self, sweep_dir: Path) -> str:
         records = [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
