@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 STEPS = ("sft", "reward", "ppo", "dpo", "all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+ATTENTIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -109,9 +110,17 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16
     end_of_text_token: str | None = None  # appended to every answer; null: the tokenizer's EOS
     trust_remote_code: bool = False  # run a hub model's own code (off: only transformers')
+    # transformers' attention (eager | sdpa | flash_attention_2 | ...); null: eager in bf16 / fp16
+    # on CPU for sequences up to 256 tokens (faster there, docs/performance.md), else transformers'
+    attn_implementation: str | None = None
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
+        if self.attn_implementation is not None and not (
+            self.attn_implementation in ATTENTIONS or "/" in self.attn_implementation
+        ):
+            accepted = f"null, one of {', '.join(ATTENTIONS)}, or a hub kernel (org/repo)"
+            out.append(("attn_implementation", self.attn_implementation, accepted))
         if self.dtype not in DTYPES:
             out.append(("dtype", self.dtype, f"one of {', '.join(DTYPES)}"))
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:

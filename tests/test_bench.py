@@ -186,7 +186,9 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     modes = bench.section_modes("sft", args, "ACTOR", "CRITIC")
     assert set(modes) == {"fast", "baseline"}
     assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
-    assert set(modes["baseline"]) - set(modes["fast"]) == set(bench.BASELINE_PADDING)
+    # transformers' default attention, as DeepSpeed-Chat's from_pretrained gets
+    attention = "model.attn_implementation=sdpa"
+    assert set(modes["baseline"]) - set(modes["fast"]) == {*bench.BASELINE_PADDING, attention}
     reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
     assert set(reward["fast"]) - set(reward["baseline"]) == {"reward.share_prompt=true"}
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
@@ -194,7 +196,11 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
         "ppo.packing=true",
         "ppo.drop_finished_rows=true",
     }
-    assert set(ppo["baseline"]) - set(ppo["fast"]) == set(bench.PPO_BASELINE)
+    assert set(ppo["baseline"]) - set(ppo["fast"]) == {
+        *bench.PPO_BASELINE,
+        "actor.model.attn_implementation=sdpa",
+        "critic.model.attn_implementation=sdpa",
+    }
     assert "ppo.stop_at_eos=false" in bench.PPO_BASELINE
     assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]
     with_trl = bench.parse_args(["--out", str(tmp_path)])

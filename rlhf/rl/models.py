@@ -15,6 +15,7 @@ from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.dist import world_size
 from rlhf.engine import (
     BatchShape,
+    device_type,
     ds_config,
     hybrid_engine_config,
     initialize,
@@ -22,10 +23,12 @@ from rlhf.engine import (
 )
 from rlhf.models import (
     apply_lora,
+    attention,
     export_pretrained,
     load_causal_lm,
     load_tokenizer,
     load_value_model,
+    log_attention,
     read_stats,
     scale_value_head,
     tokenizer_fingerprint,
@@ -49,6 +52,10 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     with a critic-free estimator (not ppo.uses_critic) no critic."""
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
+    device = device_type(cfg.device)
+    actor_attn = attention(cfg.actor.model, device, dtype, cfg.data.max_seq_len)
+    critic_attn = attention(cfg.critic.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("actor and reference", actor_attn, cfg.actor.model)
 
     def trained(role: RoleConfig, load, modules_to_save=None):
         conf = ds_config(role.zero, role.optim, shape, dtype)
@@ -61,7 +68,9 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
 
     actor_conf, actor = trained(
         cfg.actor,
-        lambda ds: load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds),
+        lambda ds: load_causal_lm(
+            cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds, actor_attn
+        ),
     )
     # rlhf.validate checks these from the config files; a hub model or step=all's exports are
     # checked here, on the loaded model, before any engine exists
@@ -75,11 +84,13 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     )
 
     critic, critic_config = None, None
+    if ppo.uses_critic or ppo.reward_function is None:
+        log_attention("critic and reward model", critic_attn, cfg.critic.model)
     if ppo.uses_critic:
-        critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained)
+        critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
     reference = initialize_frozen(
-        load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype),
+        load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, None, actor_attn),
         cfg.actor.zero.stage,
         cfg.actor.offload_twin,
         dtype,
@@ -89,7 +100,9 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
         reward = RewardFunction(ppo.reward_function, tokenizer)
     else:
         reward = initialize_frozen(
-            load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype),
+            load_value_model(
+                cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, None, critic_attn
+            ),
             cfg.critic.zero.stage,
             cfg.critic.offload_twin,
             dtype,
@@ -98,12 +111,14 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 
-def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained):
+def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn: str | None):
     """The critic's engine, from the reward export (or a causal LM, with a new value head),
     and its model's config (for the export)."""
     critic_conf, critic = trained(
         cfg.critic,
-        lambda ds: load_value_model(cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds),
+        lambda ds: load_value_model(
+            cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, ds, attn
+        ),
     )
     critic_config = critic.hf.config
     if cfg.ppo.normalizes_reward:

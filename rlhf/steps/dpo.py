@@ -41,10 +41,12 @@ from rlhf.evaluation import (
 )
 from rlhf.models import (
     apply_lora,
+    attention,
     end_of_text_id,
     export_pretrained,
     load_causal_lm,
     load_tokenizer,
+    log_attention,
     model_path,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
@@ -104,7 +106,11 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. the policy (trained) and the reference (frozen at the same ZeRO stage; none for simpo)
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    lm = load_causal_lm(cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("DPO", attn, cfg.model)
+    lm = load_causal_lm(
+        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
+    )
     lm_config = lm.config
     lm = apply_lora(lm, cfg.lora)
     engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
@@ -112,7 +118,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     reference = None
     if cfg.dpo.loss not in algos.REFERENCE_FREE:
         reference = initialize_frozen(
-            load_causal_lm(cfg.model, path, tokenizer, dtype),
+            load_causal_lm(cfg.model, path, tokenizer, dtype, attention=attn),
             cfg.zero.stage,
             cfg.dpo.offload_reference,
             dtype,

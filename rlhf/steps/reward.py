@@ -27,10 +27,12 @@ from rlhf.evaluation import PairEvaluator, gold_correlation
 from rlhf.models import (
     STATS_FILE,
     apply_lora,
+    attention,
     end_of_text_id,
     export_pretrained,
     load_tokenizer,
     load_value_model,
+    log_attention,
     model_path,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
@@ -86,8 +88,10 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. model and engine: backbone + scalar head; LoRA leaves the head fully trainable
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("reward", attn, cfg.model)
     model = load_value_model(
-        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None
+        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
     )
     hf_config = model.hf.config
     model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])

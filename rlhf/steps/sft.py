@@ -26,10 +26,12 @@ from rlhf.engine import BatchShape, device_type, ds_config, initialize, resolve_
 from rlhf.evaluation import SFTEvaluator
 from rlhf.models import (
     apply_lora,
+    attention,
     end_of_text_id,
     export_pretrained,
     load_causal_lm,
     load_tokenizer,
+    log_attention,
     model_path,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
@@ -70,7 +72,11 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. model and engine
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    lm = load_causal_lm(cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("SFT", attn, cfg.model)
+    lm = load_causal_lm(
+        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
+    )
     lm_config = lm.config
     lm = apply_lora(lm, cfg.lora)
     engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)

@@ -407,6 +407,9 @@ BASELINE_PADDING = [
     "data.group_by_length=false",
     "optim.dynamic_batch=false",
 ]
+# ... with transformers' default attention (its from_pretrained passes none; rlhf picks eager
+# for short half-precision rows on CPU) ...
+BASELINE_ATTENTION = "attn_implementation=sdpa"
 # ... and PPO prompts padded to max_prompt_len, every answer generated to the cap, a second actor
 # forward for the old log-probs, and every pass over padded rows
 PPO_BASELINE = [
@@ -422,11 +425,13 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
     fast_sft = [] if args.no_packing else ["sft.packing=true"]
     if section == "sft":
         common = ["step=sft", *model_overrides("model", actor, args.actor, args)]
-        modes = {"fast": [*common, *fast_sft], "baseline": [*common, *BASELINE_PADDING]}
+        baseline = [*common, *BASELINE_PADDING, f"model.{BASELINE_ATTENTION}"]
+        modes = {"fast": [*common, *fast_sft], "baseline": baseline}
     elif section == "reward":
         common = ["step=reward", *model_overrides("model", critic, args.critic, args)]
         fast_reward = [] if args.no_packing else ["reward.share_prompt=true"]
-        modes = {"fast": [*common, *fast_reward], "baseline": [*common, *BASELINE_PADDING]}
+        baseline = [*common, *BASELINE_PADDING, f"model.{BASELINE_ATTENTION}"]
+        modes = {"fast": [*common, *fast_reward], "baseline": baseline}
     elif section == "mfu":
         return {
             "fast": ["step=sft", *model_overrides("model", None, args.mfu_model, args), *fast_sft]
@@ -445,7 +450,8 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
         fast_ppo = ["ppo.drop_finished_rows=true"] + (
             [] if args.no_packing else ["ppo.packing=true"]
         )
-        modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE]}
+        attention = [f"actor.model.{BASELINE_ATTENTION}", f"critic.model.{BASELINE_ATTENTION}"]
+        modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE, *attention]}
         return dschat_modes(section, modes, args) if args.scenario == "dschat" else modes
     if args.scenario == "dschat":
         modes = dschat_modes(section, modes, args)
