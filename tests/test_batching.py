@@ -36,6 +36,29 @@ def test_ranks_together_read_what_one_process_reads(num_rows, micro, world, accu
 
 
 @pytest.mark.parametrize(("num_rows", "micro", "world", "accum"), PLANS)
+def test_grouped_by_length_ranks_read_the_same_rows_with_about_equal_tokens(
+    num_rows, micro, world, accum
+):
+    """With lengths (data.group_by_length) a step holds the same rows as without, and each
+    micro step's rows are dealt so that no rank holds more tokens than another by more than a
+    row's length: dealt in contiguous slices of the sorted rows, rank 0 held all the longest."""
+    generator = torch.Generator().manual_seed(num_rows)
+    lengths = tuple(int(n) for n in torch.randint(5, 250, (num_rows,), generator=generator))
+    plan = EpochPlan(num_rows, micro, world, accum, seed=7, lengths=lengths)
+    ungrouped = EpochPlan(num_rows, micro, world, accum, seed=7)
+    for step in range(plan.steps_per_epoch):
+        per_rank = [plan.micro_batches(0, step, r) for r in range(world)]
+        step_rows = {i for r in range(world) for batch in per_rank[r] for i in batch}
+        assert step_rows == {i for r in range(world) for i in ungrouped.rank_rows(0, step, r)}
+        for k in range(accum):
+            shares = [per_rank[r][k] for r in range(world)]
+            assert all(len(share) == micro for share in shares)
+            assert all(share == sorted(share, key=lambda i: -lengths[i]) for share in shares)
+            tokens = [sum(lengths[i] for i in share) for share in shares]
+            assert max(tokens) - min(tokens) <= max(lengths[i] for share in shares for i in share)
+
+
+@pytest.mark.parametrize(("num_rows", "micro", "world", "accum"), PLANS)
 def test_each_row_at_most_once_per_epoch(num_rows, micro, world, accum):
     plan = EpochPlan(num_rows, micro, world, accum, seed=3)
     for epoch in range(3):
