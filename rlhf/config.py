@@ -337,8 +337,10 @@ class SFTConfig:
     # answers alone, which is what eval/ppl reports and what the later steps generate.
     loss_on_prompt: bool = False
     # concatenate each step's rows into sequences of up to data.max_seq_len tokens (each row
-    # keeps its own positions and a block-diagonal causal mask): the same update, less padding
-    packing: bool = False
+    # keeps its own positions and a block-diagonal causal mask): the same update, less padding.
+    # null: on where the model's attention takes the mask (OPT, Llama; eager, sdpa) and rows
+    # are not padded to data.max_seq_len
+    packing: bool | None = None
     gold_eval_prompts: int = 64  # held-out prompts answered greedily for eval/gold_accuracy
     gen_max_new_tokens: int = 32  # answer length for that evaluation
 
@@ -352,6 +354,7 @@ class SFTConfig:
 
 
 REWARD_LOSSES = ("pairwise", "mse", "divergence_span", "listwise")
+SHARED_PROMPT_LOSSES = ("pairwise", "mse")  # reward.share_prompt computes a pair's two scores
 SCORE_POSITIONS = ("last", "mean")
 
 
@@ -367,12 +370,13 @@ class RewardConfig:
     gold_eval_prompts: int = 128  # prompts answered by gold_policy for eval/gold_score_corr
     gen_max_new_tokens: int = 32  # answer length of the gold_policy samples
     # run each pair as one row, prompt + chosen + rejected, the rejected answer attending to the
-    # prompt and itself only: the prompt is computed once instead of twice (pairwise, mse)
-    share_prompt: bool = False
+    # prompt and itself only: the prompt is computed once instead of twice (pairwise, mse).
+    # null: on where the model's attention takes the mask, the loss allows and rows are unpadded
+    share_prompt: bool | None = None
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
-        if self.share_prompt and self.loss not in ("pairwise", "mse"):
+        if self.share_prompt and self.loss not in SHARED_PROMPT_LOSSES:
             # listwise ranks more than two answers; divergence_span reads values on the shorter
             # answer's padding, which a shared row never computes
             out.append(("share_prompt", True, f"false with loss={self.loss} (pairwise, mse only)"))

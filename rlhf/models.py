@@ -266,14 +266,35 @@ def block_mask_problem(module: torch.nn.Module) -> str | None:
     through a 4D block-diagonal mask, or None when it can."""
     hf = module.hf if isinstance(module, ValueModel) else module
     config = hf.config
-    kind = getattr(config, "model_type", None)
-    attention = getattr(config, "_attn_implementation", None) or "eager"
+    return mask_problem(config.model_type, getattr(config, "_attn_implementation", None))
+
+
+def config_mask_problem(model: ModelConfig, path: str, attention: str | None) -> str | None:
+    """:func:`block_mask_problem` before loading: the model type from its config and the
+    attention it will load with (None: transformers' default, sdpa for the known types)."""
+    return mask_problem(model_config(model, path).model_type, attention or "sdpa")
+
+
+def mask_problem(kind: str | None, attention: str | None) -> str | None:
+    attention = attention or "eager"
     if kind not in BLOCK_MASK_MODEL_TYPES:
         known = ", ".join(BLOCK_MASK_MODEL_TYPES)
         return f"a {kind} model, whose attention is not known to take a 4D mask ({known} are)"
     if attention not in BLOCK_MASK_ATTENTION:
         return f"{attention} attention takes no 4D mask (eager and sdpa do)"
     return None
+
+
+def fast_path(key: str, requested: bool | None, problem: str | None) -> bool:
+    """A fast path that gives the same update, resolved: null is on unless ``problem`` says why
+    not (logged once), true where it cannot run is refused, false is off."""
+    if problem is None:
+        return requested is not False
+    if requested:
+        raise ConfigError(f"{key}=true: {problem}; set it to null (on where it applies) or false")
+    if requested is None:
+        log.info("%s: off (%s)", key, problem)
+    return False
 
 
 def scale_value_head(value_model: ValueModel, factor: float, zero_stage: int) -> None:

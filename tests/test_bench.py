@@ -185,17 +185,20 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     args = bench.parse_args(["--out", str(tmp_path), "--no-trl"])
     modes = bench.section_modes("sft", args, "ACTOR", "CRITIC")
     assert set(modes) == {"fast", "baseline"}
-    assert set(modes["fast"]) - set(modes["baseline"]) == {"sft.packing=true"}
+    # the fast mode is rlhf's defaults: its fast paths are on where they apply
+    assert set(modes["fast"]) - set(modes["baseline"]) == set()
     # transformers' default attention, as DeepSpeed-Chat's from_pretrained gets
     attention = "model.attn_implementation=sdpa"
-    assert set(modes["baseline"]) - set(modes["fast"]) == {*bench.BASELINE_PADDING, attention}
-    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
-    assert set(reward["fast"]) - set(reward["baseline"]) == {"reward.share_prompt=true"}
-    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
-    assert set(ppo["fast"]) - set(ppo["baseline"]) == {
-        "ppo.packing=true",
-        "ppo.drop_finished_rows=true",
+    assert set(modes["baseline"]) - set(modes["fast"]) == {
+        *bench.BASELINE_PADDING,
+        "sft.packing=false",
+        attention,
     }
+    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
+    assert set(reward["fast"]) - set(reward["baseline"]) == set()
+    assert "reward.share_prompt=false" in reward["baseline"]
+    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    assert set(ppo["fast"]) - set(ppo["baseline"]) == set()
     assert set(ppo["baseline"]) - set(ppo["fast"]) == {
         *bench.PPO_BASELINE,
         "actor.model.attn_implementation=sdpa",
@@ -296,7 +299,7 @@ def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
 def test_the_dschat_scenario_runs_tiny_end_to_end(tmp_path):
     cmd = [
         *(sys.executable, "-m", "rlhf.bench", "--out", str(tmp_path), "--scenario", "dschat"),
-        *("--scale", "0.01", "--repeats", "1", "--no-trl", "--actor", "32x1", "--critic", "32x1"),
+        *("--scale", "0.01", "--repeats", "1", "--actor", "32x1", "--critic", "32x1"),
         *("--sections", "sft,ppo"),  # the reward step runs as SFT's does (2 ranks, bf16, whole)
         *("--export-steps", "2", "--max-seq-len", "64", "--max-prompt-len", "32"),
     ]
@@ -308,6 +311,10 @@ def test_the_dschat_scenario_runs_tiny_end_to_end(tmp_path):
         assert ppo[mode]["gen_tokens_per_s"] > 0 and ppo[mode]["tokens_per_s"] > 0
         assert 0 <= ppo[mode]["eval_share"] < 1
     assert {"sft: samples/s vs baseline", "ppo: s/iter vs baseline"} <= set(report["ratios"])
+    # TRL's worker on 2 ranks (its rows planned by the bench, not by each rank)
+    assert ("trl" in report["table"]["sft"]) == bool(bench.trl_version())
+    if bench.trl_version():
+        assert report["table"]["sft"]["trl"]["samples_per_s"] > 0
 
 
 @pytest.mark.slow

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 
 import torch
 from transformers import AutoModelForSequenceClassification, set_seed
 
 from rlhf import algos
-from rlhf.config import Config, ConfigError
+from rlhf.config import SHARED_PROMPT_LOSSES, Config, ConfigError
 from rlhf.data.collate import pair_batch, ranked_batch, rows_at
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
 from rlhf.data.pipeline import phase_dataset
@@ -28,8 +29,10 @@ from rlhf.models import (
     STATS_FILE,
     apply_lora,
     attention,
+    config_mask_problem,
     end_of_text_id,
     export_pretrained,
+    fast_path,
     load_tokenizer,
     load_value_model,
     log_attention,
@@ -58,8 +61,15 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "reward.loss='listwise': the data has no ranked `responses` column "
             "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
         )
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("reward", attn, cfg.model)
+    share_prompt = fast_path(
+        "reward.share_prompt", cfg.reward.share_prompt, share_prompt_problem(cfg, path, attn)
+    )
+    # the step's settings with reward.share_prompt resolved (cfg stays as given, for resume)
+    step_cfg = replace(cfg, reward=replace(cfg.reward, share_prompt=share_prompt))
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
-    lengths, budget = pair_lengths(cfg, train_rows)
+    lengths, budget = pair_lengths(step_cfg, train_rows)
     plan = EpochPlan(
         len(train_rows),
         shape.micro_batch_size,
@@ -88,8 +98,6 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. model and engine: backbone + scalar head; LoRA leaves the head fully trainable
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
-    log_attention("reward", attn, cfg.model)
     model = load_value_model(
         cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
     )
@@ -141,7 +149,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             micro_rows = step_rows(state.epoch, state.step_in_epoch)
             speed.start()
             loss, accuracy, tokens = train_step(
-                engine, micro_rows, cfg, tokenizer.pad_token_id, run.guard
+                engine, micro_rows, step_cfg, tokenizer.pad_token_id, run.guard
             )
             speed.stop(tokens, plan.global_batch_size)
             state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
@@ -177,6 +185,18 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
     train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
     return run.finish(final, speed, **{"train/loss": train_loss})
+
+
+def share_prompt_problem(cfg: Config, path: str, attn: str | None) -> str | None:
+    """Why reward.share_prompt=null stays off, or None: the model's attention takes no 4D
+    mask, the loss reads more than a pair's two scores, or data.pad_to_max_len pads each."""
+    if problem := config_mask_problem(cfg.model, path, attn):
+        return problem
+    if cfg.reward.loss not in SHARED_PROMPT_LOSSES:
+        return f"reward.loss={cfg.reward.loss} (pairwise and mse only)"
+    if cfg.data.pad_to_max_len:
+        return "data.pad_to_max_len=true keeps DeepSpeed-Chat's padded pairs"
+    return None
 
 
 def pair_lengths(cfg: Config, train_rows) -> tuple[tuple[int, ...], int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, set_seed
@@ -27,8 +27,10 @@ from rlhf.evaluation import SFTEvaluator
 from rlhf.models import (
     apply_lora,
     attention,
+    config_mask_problem,
     end_of_text_id,
     export_pretrained,
+    fast_path,
     load_causal_lm,
     load_tokenizer,
     log_attention,
@@ -52,6 +54,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     eot = end_of_text_id(cfg.model, tokenizer)
     train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
     eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    log_attention("SFT", attn, cfg.model)
+    packing = fast_path("sft.packing", cfg.sft.packing, packing_problem(cfg, path, attn))
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
     plan = EpochPlan(
         len(train_rows),
@@ -61,7 +66,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         cfg.data.seed,
         row_lengths(train_rows) if cfg.data.group_by_length else None,
     )
-    batches = StepBatches(cfg, plan, train_rows, tokenizer.pad_token_id)
+    # the step's settings with sft.packing resolved (cfg itself stays as given, for resume)
+    step_cfg = replace(cfg, sft=replace(cfg.sft, packing=packing))
+    batches = StepBatches(step_cfg, plan, train_rows, tokenizer.pad_token_id)
     steps = total_steps(
         plan,
         cfg.optim.epochs,
@@ -72,8 +79,6 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. model and engine
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
-    log_attention("SFT", attn, cfg.model)
     lm = load_causal_lm(
         cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
     )
@@ -145,6 +150,16 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
     train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
     return run.finish(final, speed, **{"train/loss": train_loss})
+
+
+def packing_problem(cfg: Config, path: str, attn: str | None) -> str | None:
+    """Why sft.packing=null stays off, or None: the model's attention takes no block mask, or
+    data.pad_to_max_len asks for padded rows."""
+    if problem := config_mask_problem(cfg.model, path, attn):
+        return problem
+    if cfg.data.pad_to_max_len and cfg.sft.packing is None:
+        return "data.pad_to_max_len=true keeps DeepSpeed-Chat's padded rows"
+    return None
 
 
 @dataclass

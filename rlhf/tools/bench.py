@@ -422,15 +422,21 @@ PPO_BASELINE = [
 
 def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list[str] | None]:
     """Mode name -> overrides of its ``python -m rlhf`` run (None: the TRL worker)."""
-    fast_sft = [] if args.no_packing else ["sft.packing=true"]
+    # the fast mode is rlhf's defaults, whose fast paths are on where they apply
+    fast_sft = ["sft.packing=false"] if args.no_packing else []
     if section == "sft":
         common = ["step=sft", *model_overrides("model", actor, args.actor, args)]
-        baseline = [*common, *BASELINE_PADDING, f"model.{BASELINE_ATTENTION}"]
+        baseline = [*common, *BASELINE_PADDING, "sft.packing=false", f"model.{BASELINE_ATTENTION}"]
         modes = {"fast": [*common, *fast_sft], "baseline": baseline}
     elif section == "reward":
         common = ["step=reward", *model_overrides("model", critic, args.critic, args)]
-        fast_reward = [] if args.no_packing else ["reward.share_prompt=true"]
-        baseline = [*common, *BASELINE_PADDING, f"model.{BASELINE_ATTENTION}"]
+        fast_reward = ["reward.share_prompt=false"] if args.no_packing else []
+        baseline = [
+            *common,
+            *BASELINE_PADDING,
+            "reward.share_prompt=false",
+            f"model.{BASELINE_ATTENTION}",
+        ]
         modes = {"fast": [*common, *fast_reward], "baseline": baseline}
     elif section == "mfu":
         return {
@@ -447,9 +453,7 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "ppo.normalize_reward=false",
             "ppo.eval_prompts=16",
         ]
-        fast_ppo = ["ppo.drop_finished_rows=true"] + (
-            [] if args.no_packing else ["ppo.packing=true"]
-        )
+        fast_ppo = ["ppo.packing=false"] if args.no_packing else []
         attention = [f"actor.model.{BASELINE_ATTENTION}", f"critic.model.{BASELINE_ATTENTION}"]
         modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE, *attention]}
         return dschat_modes(section, modes, args) if args.scenario == "dschat" else modes
@@ -582,6 +586,11 @@ def run_trl(section: str, fast_dir: Path, model: str, steps: int, run_dir: Path,
         "max_seq_len": args.max_seq_len,
         "out": str(run_dir),
     }
+    # the rows are planned here, in one process: each torchrun rank of the worker would read the
+    # rlhf cache before TRL starts torch.distributed, when only rank 0 may
+    rows, _ = plan_rows(spec)
+    columns = ("prompt_ids", "chosen_ids", "rejected_ids")
+    (run_dir / "rows.json").write_text(json.dumps([{c: r[c] for c in columns} for r in rows]))
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     wall = run_logged(["rlhf.tools.bench", "_trl", str(run_dir / "spec.json")], run_dir, args)
     return {**json.loads((run_dir / "result.json").read_text()), "wall_s": wall}
@@ -632,8 +641,12 @@ def trl_worker(spec_path: str) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
 
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_tokenizer
+
     spec = json.loads(Path(spec_path).read_text())
-    rows, tokenizer = plan_rows(spec)
+    rows = json.loads((Path(spec["out"]) / "rows.json").read_text())
+    tokenizer = load_tokenizer(ModelConfig(path=spec["model"]), spec["model"])
 
     class StepTimer(TrainerCallback):
         def __init__(self):
