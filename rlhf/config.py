@@ -168,7 +168,8 @@ class DataConfig:
     max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all (data=toy: 1000)
     seed: int = 1234  # the phase split and the shuffle
     cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
-    group_by_length: bool = True  # sort each global batch by length before cutting micro batches
+    # sort each global batch by length: like rows share a micro batch, ranks get like tokens
+    group_by_length: bool = True
     # pad every SFT/reward sequence to max_seq_len and PPO prompts to max_prompt_len (DeepSpeed-Chat)
     pad_to_max_len: bool = False
 
