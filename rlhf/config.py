@@ -111,7 +111,8 @@ class ModelConfig:
     end_of_text_token: str | None = None  # appended to every answer; null: the tokenizer's EOS
     trust_remote_code: bool = False  # run a hub model's own code (off: only transformers')
     # transformers' attention (eager | sdpa | flash_attention_2 | ...); null: eager in bf16 / fp16
-    # on CPU for sequences up to 256 tokens (faster there, docs/performance.md), else transformers'
+    # on CPU for SFT / reward / DPO rows up to 256 tokens (faster there, docs/performance.md),
+    # else (PPO, which mostly decodes, included) transformers'
     attn_implementation: str | None = None
 
     def problems(self) -> list[tuple[str, Any, str]]:

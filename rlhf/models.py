@@ -148,11 +148,18 @@ def model_config(model: ModelConfig, path: str):
 EAGER_CPU_MAX_LEN = 256
 
 
-def attention(model: ModelConfig, device: str, dtype: str, max_seq_len: int) -> str | None:
+def attention(
+    model: ModelConfig, device: str, dtype: str, max_seq_len: int, decodes: bool = False
+) -> str | None:
     """``model.attn_implementation``, or where it is null the faster one for these shapes:
-    eager for bf16 / fp16 on CPU up to EAGER_CPU_MAX_LEN tokens, else None (transformers')."""
+    eager for bf16 / fp16 on CPU up to EAGER_CPU_MAX_LEN tokens, else None (transformers').
+    Models that spend their time decoding (``decodes``: PPO's) keep transformers' default: on
+    the dschat bench sdpa decoded 345 answer tokens/s against eager's 267, and a PPO iteration
+    took 0.61 s against 0.67 s, at 0.82 against 0.94 GB peak."""
     if model.attn_implementation is not None:
         return model.attn_implementation
+    if decodes:
+        return None
     if device == "cpu" and dtype in ("bf16", "fp16") and max_seq_len <= EAGER_CPU_MAX_LEN:
         return "eager"
     return None

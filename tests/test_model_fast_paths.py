@@ -19,21 +19,22 @@ from tests.conftest import compose
 
 
 @pytest.mark.parametrize(
-    ("chosen", "device", "dtype", "max_seq_len", "expected"),
+    ("chosen", "device", "dtype", "max_seq_len", "decodes", "expected"),
     [
-        (None, "cpu", "bf16", 256, "eager"),  # short half-precision rows on CPU
-        (None, "cpu", "bf16", 512, None),  # sdpa is faster from 512 tokens
-        (None, "cpu", "fp32", 128, None),  # even in fp32: transformers' default
-        (None, "cuda", "bf16", 128, None),  # GPU kernels: transformers' default
-        ("sdpa", "cpu", "bf16", 128, "sdpa"),  # the user's choice wins
-        ("eager", "cuda", "fp16", 2048, "eager"),
+        (None, "cpu", "bf16", 256, False, "eager"),  # short half-precision rows on CPU
+        (None, "cpu", "bf16", 256, True, None),  # PPO's models decode faster with sdpa
+        (None, "cpu", "bf16", 512, False, None),  # sdpa is faster from 512 tokens
+        (None, "cpu", "fp32", 128, False, None),  # even in fp32: transformers' default
+        (None, "cuda", "bf16", 128, False, None),  # GPU kernels: transformers' default
+        ("sdpa", "cpu", "bf16", 128, False, "sdpa"),  # the user's choice wins
+        ("eager", "cuda", "fp16", 2048, True, "eager"),
     ],
 )
 def test_attention_is_the_users_or_the_faster_one_for_the_shapes(
-    chosen, device, dtype, max_seq_len, expected
+    chosen, device, dtype, max_seq_len, decodes, expected
 ):
     model = ModelConfig(attn_implementation=chosen)
-    assert attention(model, device, dtype, max_seq_len) == expected
+    assert attention(model, device, dtype, max_seq_len, decodes) == expected
 
 
 def test_only_the_automatic_choice_is_logged(caplog):

@@ -53,8 +53,8 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
     device = device_type(cfg.device)
-    actor_attn = attention(cfg.actor.model, device, dtype, cfg.data.max_seq_len)
-    critic_attn = attention(cfg.critic.model, device, dtype, cfg.data.max_seq_len)
+    actor_attn = attention(cfg.actor.model, device, dtype, cfg.data.max_seq_len, decodes=True)
+    critic_attn = attention(cfg.critic.model, device, dtype, cfg.data.max_seq_len, decodes=True)
     log_attention("actor and reference", actor_attn, cfg.actor.model)
 
     def trained(role: RoleConfig, load, modules_to_save=None):

@@ -194,7 +194,10 @@ def check_hybrid_engine(s: Setup) -> list[Row]:
 
 def check_logprob_gap(s: Setup) -> list[Row]:
     recompute = s.out / "hybrid-off"  # the default in bf16: old log-probs recomputed
-    s.run("sampler-logprobs", [*ppo_overrides(s), "ppo.rollout_logprobs=true"])
+    # sdpa (transformers' and PPO's default) pinned: on CPU in bf16, eager attention decodes with
+    # the very logits of the training forward (a gap of 0), which sdpa's kernel does not
+    sdpa = ["actor.model.attn_implementation=sdpa", "critic.model.attn_implementation=sdpa"]
+    s.run("sampler-logprobs", [*ppo_overrides(s), "ppo.rollout_logprobs=true", *sdpa])
     sampler = s.out / "sampler-logprobs"
     gap_mean = later_mean(sampler, "ppo/logprob_diff_mean")
     gap_max = max((r.get("ppo/logprob_diff_max", 0.0) for r in read_metrics(sampler)), default=0)
