@@ -154,8 +154,8 @@ def attention(
     """``model.attn_implementation``, or where it is null the faster one for these shapes:
     eager for bf16 / fp16 on CPU up to EAGER_CPU_MAX_LEN tokens, else None (transformers').
     Models that spend their time decoding (``decodes``: PPO's) keep transformers' default: on
-    the dschat bench sdpa decoded 345 answer tokens/s against eager's 267, and a PPO iteration
-    took 0.61 s against 0.67 s, at 0.82 against 0.94 GB peak."""
+    the dschat bench sdpa decoded 316 answer tokens/s against eager's 267, and a PPO iteration
+    took the same time (0.68 vs 0.67 s) at 0.85 against 0.94 GB peak."""
     if model.attn_implementation is not None:
         return model.attn_implementation
     if decodes:

@@ -28,7 +28,6 @@ from rlhf.models import (
     load_causal_lm,
     load_tokenizer,
     load_value_model,
-    log_attention,
     read_stats,
     scale_value_head,
     tokenizer_fingerprint,
@@ -55,7 +54,6 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     device = device_type(cfg.device)
     actor_attn = attention(cfg.actor.model, device, dtype, cfg.data.max_seq_len, decodes=True)
     critic_attn = attention(cfg.critic.model, device, dtype, cfg.data.max_seq_len, decodes=True)
-    log_attention("actor and reference", actor_attn, cfg.actor.model)
 
     def trained(role: RoleConfig, load, modules_to_save=None):
         conf = ds_config(role.zero, role.optim, shape, dtype)
@@ -84,8 +82,6 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     )
 
     critic, critic_config = None, None
-    if ppo.uses_critic or ppo.reward_function is None:
-        log_attention("critic and reward model", critic_attn, cfg.critic.model)
     if ppo.uses_critic:
         critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
