@@ -176,6 +176,12 @@ def log_attention(name: str, chosen: str | None, model: ModelConfig) -> None:
         )
 
 
+def pretrained_kwargs(model: ModelConfig, dtype: str, attention: str | None) -> dict:
+    """``from_pretrained``'s keywords for either loader (no attention: transformers' default)."""
+    kwargs = {"dtype": TORCH_DTYPES[dtype], "trust_remote_code": model.trust_remote_code}
+    return {**kwargs, "attn_implementation": attention} if attention else kwargs
+
+
 def load_causal_lm(
     model: ModelConfig,
     path: str,
@@ -188,11 +194,7 @@ def load_causal_lm(
     ``attention`` (from :func:`attention`; None: transformers' default) is its attention."""
     with zero3_init(ds_config):
         lm = AutoModelForCausalLM.from_pretrained(
-            path,
-            config=model_config(model, path),
-            dtype=TORCH_DTYPES[dtype],
-            trust_remote_code=model.trust_remote_code,
-            **({"attn_implementation": attention} if attention else {}),
+            path, config=model_config(model, path), **pretrained_kwargs(model, dtype, attention)
         )
         if len(tokenizer) > lm.get_input_embeddings().num_embeddings:
             lm.resize_token_embeddings(_round_up(len(tokenizer), 8))
@@ -249,11 +251,7 @@ def load_value_model(
     config.pad_token_id = tokenizer.pad_token_id
     with zero3_init(ds_config):
         hf = AutoModelForSequenceClassification.from_pretrained(
-            path,
-            config=config,
-            dtype=TORCH_DTYPES[dtype],
-            trust_remote_code=model.trust_remote_code,
-            **({"attn_implementation": attention} if attention else {}),
+            path, config=config, **pretrained_kwargs(model, dtype, attention)
         )
         if len(tokenizer) > hf.get_input_embeddings().num_embeddings:
             hf.resize_token_embeddings(_round_up(len(tokenizer), 8))
