@@ -578,6 +578,22 @@ def test_packing_is_on_for_the_architectures_whose_attention_takes_the_block_mas
     assert block_mask_problem(tiny_scorer()) is None
 
 
+def test_ppo_packing_is_refused_where_asked_for_and_a_model_takes_no_mask():
+    from rlhf.config import ConfigError
+    from rlhf.models import fast_path
+    from rlhf.rl.models import Models
+    from rlhf.steps.ppo import packing_problem
+
+    assert packing_problem(Models(tiny_lm(), tiny_lm(), None, tiny_scorer(), None, None)) is None
+    flash = tiny_lm()
+    flash.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
+    problem = packing_problem(Models(tiny_lm(), flash, None, tiny_scorer(), None, None))
+    assert "flash_attention_2" in problem
+    assert fast_path("ppo.packing", None, problem) is False  # null: padded rows
+    with pytest.raises(ConfigError, match=r"ppo\.packing=true: flash_attention_2"):
+        fast_path("ppo.packing", True, problem)
+
+
 def test_packing_falls_back_to_padded_rows_where_the_mask_is_not_taken():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -28,7 +28,7 @@ from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
-from rlhf.models import block_mask_problem, end_of_text_id, read_stats
+from rlhf.models import block_mask_problem, end_of_text_id, fast_path, read_stats
 from rlhf.rl.advantages import kl_controller, shaping, whitens
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
@@ -108,8 +108,11 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             " but critic.model.path, which names the reward model" if ppo.reads_critic_path else "",
         )
     composed = cfg  # what checkpoints record and resume=auto compares: the keys as set (null)
-    if ppo.packing is None:  # packed rows wherever every model's attention takes their mask
-        ppo = replace(ppo, packing=packs_rows(models))
+    # packed rows wherever every model's attention takes their mask (null), refused where asked
+    # for and not taken
+    packing = fast_path("ppo.packing", ppo.packing, packing_problem(models))
+    if packing != ppo.packing:
+        ppo = replace(ppo, packing=packing)
         cfg = replace(cfg, ppo=ppo)
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl = kl_controller(ppo)
@@ -239,15 +242,12 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     )
 
 
-def packs_rows(models: Models) -> bool:
-    """ppo.packing=null resolved: true when every PPO model's attention takes a 4D mask, else
-    false with one log line saying which does not."""
+def packing_problem(models: Models) -> str | None:
+    """Why PPO's rows cannot be packed (the first model whose attention takes no 4D mask), or
+    None when every model's does."""
     trained = (models.actor, models.reference, models.critic, models.reward)
     modules = [getattr(m, "module", m) for m in trained if isinstance(m, torch.nn.Module)]
-    problems = [p for p in map(block_mask_problem, modules) if p]
-    if problems:
-        log.info("ppo.packing: rows stay padded (%s)", problems[0])
-    return not problems
+    return next((p for p in map(block_mask_problem, modules) if p), None)
 
 
 def _steps_per_rollout(ppo) -> int:
