@@ -27,7 +27,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 STEPS = ("sft", "reward", "ppo", "dpo", "all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
-ATTENTIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+# lean_eager is rlhf's (rlhf/attention.py): eager's matmuls in training, sdpa without a gradient
+ATTENTIONS = (
+    "eager",
+    "lean_eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+)
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -110,9 +118,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16
     end_of_text_token: str | None = None  # appended to every answer; null: the tokenizer's EOS
     trust_remote_code: bool = False  # run a hub model's own code (off: only transformers')
-    # transformers' attention (eager | sdpa | flash_attention_2 | ...); null: eager in bf16 / fp16
-    # on CPU for SFT / reward / DPO rows up to 256 tokens (faster there, docs/performance.md),
-    # else (PPO, which mostly decodes, included) transformers'
+    # eager | lean_eager | sdpa | flash_attention_2 | ...; null: lean_eager (eager's matmuls
+    # with a third of its memory, sdpa where no gradient is taken; other model types: eager) in
+    # bf16 / fp16 on CPU for SFT / reward / DPO rows up to 256 tokens (faster there,
+    # docs/performance.md), else (PPO, which mostly decodes, included) transformers' default
     attn_implementation: str | None = None
 
     def problems(self) -> list[tuple[str, Any, str]]:

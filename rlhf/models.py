@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rlhf.attention import LEAN_EAGER
 from rlhf.config import ConfigError, LoraConfig, ModelConfig
 from rlhf.dist import barrier, is_main
 from rlhf.engine import TORCH_DTYPES
@@ -146,23 +147,38 @@ def model_config(model: ModelConfig, path: str):
 # at 4 x 100 tokens, 39 against 27 at 4 x 256, while from 512 tokens sdpa is faster
 # (docs/performance.md, "Attention on CPU"). In fp32 the two are even up to 256.
 EAGER_CPU_MAX_LEN = 256
+# model types whose attention lean_eager computes as transformers' eager does (tested); others
+# get transformers' own eager where the matmuls are the faster choice
+LEAN_EAGER_MODEL_TYPES = ("opt", "llama")
 
 
 def attention(
-    model: ModelConfig, device: str, dtype: str, max_seq_len: int, decodes: bool = False
+    model: ModelConfig,
+    device: str,
+    dtype: str,
+    max_seq_len: int,
+    kind: str | None = None,
+    decodes: bool = False,
 ) -> str | None:
-    """``model.attn_implementation``, or where it is null the faster one for these shapes:
-    eager for bf16 / fp16 on CPU up to EAGER_CPU_MAX_LEN tokens, else None (transformers').
-    Models that spend their time decoding (``decodes``: PPO's) keep transformers' default: on
-    the dschat bench sdpa decoded 316 answer tokens/s against eager's 267, and a PPO iteration
-    took the same time (0.68 vs 0.67 s) at 0.85 against 0.94 GB peak."""
+    """``model.attn_implementation``, or where it is null the faster one for these shapes: in
+    bf16 / fp16 on CPU up to EAGER_CPU_MAX_LEN tokens, lean_eager (eager's matmuls in training,
+    sdpa's kernel where no gradient is taken) for the model types (``kind``) it is tested on,
+    transformers' eager for others; else None (transformers' default). Models that spend
+    their time decoding (``decodes``: PPO's) keep transformers' default: on the dschat bench
+    sdpa decoded 316 answer tokens/s against eager's 267 (lean_eager, whose decoding goes
+    through sdpa's kernel with eager's float mask: about 10% slower than sdpa, 2 runs each)."""
     if model.attn_implementation is not None:
         return model.attn_implementation
     if decodes:
         return None
-    if device == "cpu" and dtype in ("bf16", "fp16") and max_seq_len <= EAGER_CPU_MAX_LEN:
-        return "eager"
-    return None
+    if not (device == "cpu" and dtype in ("bf16", "fp16") and max_seq_len <= EAGER_CPU_MAX_LEN):
+        return None
+    return LEAN_EAGER if kind in LEAN_EAGER_MODEL_TYPES else "eager"
+
+
+def model_type(model: ModelConfig, path: str | None) -> str | None:
+    """The ``model_type`` of the model at ``path`` (its config only; None without a path)."""
+    return model_config(model, path).model_type if path else None
 
 
 def log_attention(name: str, chosen: str | None, model: ModelConfig) -> None:
@@ -261,9 +277,9 @@ def load_value_model(
 
 
 # model types whose attention takes a 4D additive mask as given (packed rows, a shared prompt)
-# with eager or sdpa attention; flash attention takes none
+# with eager, lean_eager or sdpa attention; flash attention takes none
 BLOCK_MASK_MODEL_TYPES = ("opt", "llama")
-BLOCK_MASK_ATTENTION = ("eager", "sdpa")
+BLOCK_MASK_ATTENTION = ("eager", LEAN_EAGER, "sdpa")
 
 
 def block_mask_problem(module: torch.nn.Module) -> str | None:
@@ -286,7 +302,7 @@ def mask_problem(kind: str | None, attention: str | None) -> str | None:
         known = ", ".join(BLOCK_MASK_MODEL_TYPES)
         return f"a {kind} model, whose attention is not known to take a 4D mask ({known} are)"
     if attention not in BLOCK_MASK_ATTENTION:
-        return f"{attention} attention takes no 4D mask (eager and sdpa do)"
+        return f"{attention} attention takes no 4D mask (eager, lean_eager and sdpa do)"
     return None
 
 

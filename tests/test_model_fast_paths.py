@@ -19,22 +19,24 @@ from tests.conftest import compose
 
 
 @pytest.mark.parametrize(
-    ("chosen", "device", "dtype", "max_seq_len", "decodes", "expected"),
+    ("chosen", "device", "dtype", "max_seq_len", "kind", "decodes", "expected"),
     [
-        (None, "cpu", "bf16", 256, False, "eager"),  # short half-precision rows on CPU
-        (None, "cpu", "bf16", 256, True, None),  # PPO's models decode faster with sdpa
-        (None, "cpu", "bf16", 512, False, None),  # sdpa is faster from 512 tokens
-        (None, "cpu", "fp32", 128, False, None),  # even in fp32: transformers' default
-        (None, "cuda", "bf16", 128, False, None),  # GPU kernels: transformers' default
-        ("sdpa", "cpu", "bf16", 128, False, "sdpa"),  # the user's choice wins
-        ("eager", "cuda", "fp16", 2048, True, "eager"),
+        (None, "cpu", "bf16", 256, "opt", False, "lean_eager"),  # short half-precision rows
+        (None, "cpu", "fp16", 64, "llama", False, "lean_eager"),
+        (None, "cpu", "bf16", 256, "gpt2", False, "eager"),  # untested type: transformers'
+        (None, "cpu", "bf16", 256, "opt", True, None),  # PPO's models decode faster with sdpa
+        (None, "cpu", "bf16", 512, "opt", False, None),  # sdpa is faster from 512 tokens
+        (None, "cpu", "fp32", 128, "opt", False, None),  # even in fp32: transformers' default
+        (None, "cuda", "bf16", 128, "opt", False, None),  # GPU kernels: transformers' default
+        ("sdpa", "cpu", "bf16", 128, "opt", False, "sdpa"),  # the user's choice wins
+        ("eager", "cuda", "fp16", 2048, "opt", True, "eager"),
     ],
 )
 def test_attention_is_the_users_or_the_faster_one_for_the_shapes(
-    chosen, device, dtype, max_seq_len, decodes, expected
+    chosen, device, dtype, max_seq_len, kind, decodes, expected
 ):
     model = ModelConfig(attn_implementation=chosen)
-    assert attention(model, device, dtype, max_seq_len, decodes) == expected
+    assert attention(model, device, dtype, max_seq_len, kind, decodes) == expected
 
 
 def test_only_the_automatic_choice_is_logged(caplog):
@@ -53,7 +55,9 @@ def test_an_unknown_attention_is_refused_by_name(value):
     assert "eager" in accepted and "sdpa" in accepted
 
 
-@pytest.mark.parametrize("value", ["eager", "sdpa", "flash_attention_2", "kernels-community/x"])
+@pytest.mark.parametrize(
+    "value", ["eager", "lean_eager", "sdpa", "flash_attention_2", "kernels-community/x"]
+)
 def test_known_attentions_and_hub_kernels_are_accepted(value):
     assert ModelConfig(attn_implementation=value).problems() == []
 

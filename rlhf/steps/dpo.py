@@ -48,6 +48,7 @@ from rlhf.models import (
     load_tokenizer,
     log_attention,
     model_path,
+    model_type,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
 from rlhf.tracking import Throughput
@@ -106,7 +107,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
 
     # 2. the policy (trained) and the reference (frozen at the same ZeRO stage; none for simpo)
     ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    kind = model_type(cfg.model, path)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
     log_attention("DPO", attn, cfg.model)
     lm = load_causal_lm(
         cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn

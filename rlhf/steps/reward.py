@@ -37,6 +37,7 @@ from rlhf.models import (
     load_value_model,
     log_attention,
     model_path,
+    model_type,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
 from rlhf.tracking import Throughput
@@ -61,7 +62,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "reward.loss='listwise': the data has no ranked `responses` column "
             "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
         )
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    kind = model_type(cfg.model, path)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
     log_attention("reward", attn, cfg.model)
     share_prompt = fast_path(
         "reward.share_prompt", cfg.reward.share_prompt, share_prompt_problem(cfg, path, attn)

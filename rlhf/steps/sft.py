@@ -35,6 +35,7 @@ from rlhf.models import (
     load_tokenizer,
     log_attention,
     model_path,
+    model_type,
 )
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
 from rlhf.tracking import Throughput
@@ -54,7 +55,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     eot = end_of_text_id(cfg.model, tokenizer)
     train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
     eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len)
+    kind = model_type(cfg.model, path)
+    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
     log_attention("SFT", attn, cfg.model)
     packing = fast_path("sft.packing", cfg.sft.packing, packing_problem(cfg, path, attn))
     shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
