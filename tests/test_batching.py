@@ -102,10 +102,20 @@ def test_eval_shards_cover_every_row_once_with_equal_batch_counts(num_rows, worl
     valid_rows = []
     for rank_shards in shards:
         for indices, valid in rank_shards:
-            assert len(indices) == len(valid) == batch_size
+            assert 1 <= len(indices) == len(valid) <= batch_size
             assert all(0 <= i < max(num_rows, 1) for i in indices)
+            # no padding up to the batch size: a placeholder row only where a rank has none
+            assert all(valid) or (indices, valid) == ([0], [False])
             valid_rows += [i for i, ok in zip(indices, valid) if ok]
     assert sorted(valid_rows) == list(range(num_rows))
+
+
+def test_eval_shards_hold_only_real_rows_where_every_rank_has_some():
+    # 2 held-out prompts on 2 ranks: one row each, where batches padded to 64 rows decoded 63
+    # placeholders a rank
+    assert [eval_shards(2, 64, 2, r) for r in range(2)] == [[([0], [True])], [([1], [True])]]
+    assert eval_shards(3, 64, 2, 1) == [([1], [True])]
+    assert eval_shards(5, 2, 2, 1) == [([1, 3], [True, True]), ([0], [False])]
 
 
 def _row(prompt, chosen):

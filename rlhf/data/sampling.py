@@ -152,18 +152,19 @@ def budget_micro_batches(
 def eval_shards(
     num_rows: int, batch_size: int, world_size: int, rank: int
 ) -> list[tuple[list[int], list[bool]]]:
-    """Rank ``rank``'s eval batches: every row once over all ranks, and the same number of
-    batches on every rank (ZeRO-3 gathers parameters collectively), padded with row 0 marked
-    invalid."""
+    """Rank ``rank``'s eval batches: every row once over all ranks, in batches of at most
+    ``batch_size``, and the same number of batches on every rank (ZeRO-3 gathers parameters
+    collectively). A rank whose rows run out first gets, for each batch it lacks, row 0 alone
+    marked invalid. Batches are never padded up to ``batch_size``: they were, so an evaluation
+    of 2 prompts on 2 ranks decoded and scored 64 rows a rank."""
     mine = list(range(rank, num_rows, world_size))
     per_rank = -(-num_rows // world_size)
     num_batches = -(-per_rank // batch_size)
-    padded = mine + [0] * (num_batches * batch_size - len(mine))
-    valid = [True] * len(mine) + [False] * (len(padded) - len(mine))
-    return [
-        (padded[i : i + batch_size], valid[i : i + batch_size])
-        for i in range(0, len(padded), batch_size)
-    ]
+    shards = []
+    for start in range(0, num_batches * batch_size, batch_size):
+        indices = mine[start : start + batch_size]
+        shards.append((indices, [True] * len(indices)) if indices else ([0], [False]))
+    return shards
 
 
 def row_lengths(rows, answers: tuple[str, ...] | None = None) -> tuple[int, ...]:
