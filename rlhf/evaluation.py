@@ -26,7 +26,7 @@ from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
 from rlhf.rl.experience import mask_short_answers, response_logprobs, reward_scores
-from rlhf.rl.generation import Rollout, Sampling, decode_responses, generate
+from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
 from rlhf.rl.models import Models, max_new_tokens
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class SFTEvaluator:
     def __init__(self, cfg: Config, tokenizer, eval_rows, eot: int):
         self.cfg, self.tokenizer, self.rows, self.eot = cfg, tokenizer, eval_rows, eot
         self.gold_rows = checkable_rows(eval_rows, cfg.sft.gold_eval_prompts)
-        self.sampling = Sampling(max_new_tokens=cfg.sft.gen_max_new_tokens, greedy=True)
+        self.sampling = Sampling(cfg.sft.gen_max_new_tokens, greedy=True, drop_finished=True)
         self.samples: list[list[str]] = []
 
     @torch.no_grad()
@@ -204,7 +204,7 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
         policy_path, trust_remote_code=cfg.model.trust_remote_code
     ).to(model_device(engine))
     rows = checkable_rows(eval_rows, cfg.reward.gold_eval_prompts)
-    sampling = Sampling(max_new_tokens=cfg.reward.gen_max_new_tokens)
+    sampling = Sampling(cfg.reward.gen_max_new_tokens, drop_finished=True)
     engine.eval()
     scores, gold = [], []
     for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
@@ -262,10 +262,9 @@ class PPOEvaluator:
         count = min(ppo.eval_prompts, len(eval_rows))
         self.rows = gold or rows_at(eval_rows, list(range(count)))
         self.checkable = bool(gold)
-        common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
-        self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
+        self.greedy = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.eval_greedy)
         # the rollouts' own decoding, so that eval/kl measures what ppo/kl measures
-        self.sampled = Sampling(max_new_tokens(cfg), greedy=ppo.greedy, **common)
+        self.sampled = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.greedy)
         self.samples: list[list] = []
         self.first: dict[str, float] | None = None
         self.warnings = 0
@@ -483,10 +482,9 @@ class DPOEvaluator:
         gold = checkable_rows(prompts, ppo.eval_prompts)
         self.rows = gold or rows_at(prompts, list(range(min(ppo.eval_prompts, len(prompts)))))
         self.checkable = bool(gold)
-        common = dict(temperature=ppo.temperature, top_p=ppo.top_p, top_k=ppo.top_k)
-        self.greedy = Sampling(max_new_tokens(cfg), greedy=ppo.eval_greedy, **common)
+        self.greedy = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.eval_greedy)
         # the rollouts' own decoding, so that eval/kl measures what ppo/kl measures
-        self.sampled = Sampling(max_new_tokens(cfg), greedy=ppo.greedy, **common)
+        self.sampled = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.greedy)
         self.samples: list[list] = []
 
     @torch.no_grad()

@@ -555,11 +555,33 @@ def test_dropping_finished_answers_is_on_by_default_wherever_it_applies(keys, dr
     assert not [p for p in ppo.problems() if p[0] == "drop_finished_rows"]
 
 
+@pytest.mark.parametrize(
+    ("keys", "drops"),
+    [
+        ({}, True),
+        ({"stop_at_eos": False}, True),  # held-out answers end at the end-of-text regardless
+        ({"generation_cache": "static"}, False),
+        ({"drop_finished_rows": False}, False),
+    ],
+)
+def test_held_out_answers_are_decoded_dropping_finished_rows_as_rollouts_are(keys, drops):
+    # HF's generate kept every row to the longest answer: 4 s for 2 prompts on the dschat bench
+    from rlhf.config import Config, PPOConfig
+    from rlhf.rl.generation import eval_sampling
+
+    cfg = Config(ppo=PPOConfig(temperature=0.7, top_k=5, **keys))
+    for greedy in (True, False):
+        sampling = eval_sampling(cfg, 12, greedy)
+        assert (sampling.drop_finished, sampling.stop_at_eos) == (drops, True)
+        assert (sampling.max_new_tokens, sampling.greedy) == (12, greedy)
+        assert (sampling.temperature, sampling.top_k) == (0.7, 5)
+
+
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_packing_is_on_for_the_architectures_whose_attention_takes_the_block_mask(arch):
     from rlhf.models import block_mask_problem
 
-    for attn in ("eager", "sdpa"):
+    for attn in ("eager", "lean_eager", "sdpa"):
         lm = tiny_lm(attn=attn) if arch == "opt" else tiny_llama(attn)
         assert block_mask_problem(lm) is None
         # and the packed rows give that architecture's padded log-probs
