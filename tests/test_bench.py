@@ -151,7 +151,7 @@ def test_summary_takes_medians_ratios_mfu_and_checks_the_targets():
     assert "mfu" not in table["ppo"]["fast"]
     verdict = {t["target"]: t["ok"] for t in report["targets"]}
     assert verdict["sft: samples/s vs baseline >= 2.0x"] is True
-    assert verdict["sft: samples/s vs TRL >= 1.2x"] is True
+    assert verdict["sft: samples/s vs TRL >= 1.3x"] is True  # 11/7 = 1.57
     assert verdict["reward: samples/s vs baseline >= 2.0x"] is False
     assert verdict["ppo: s/iter vs baseline >= 1.5x"] is True
     assert verdict["reward: peak memory vs baseline <= 1.02"] is False
