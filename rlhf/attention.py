@@ -5,7 +5,7 @@ scoring, decoding).
 On CPU in bf16, torch's sdpa kernel costs 2-3x eager's matmuls in forward + backward on short
 rows, and transformers' eager attention keeps each layer's (rows, heads, tokens, tokens)
 probabilities twice for backward (fp32 from its softmax, bf16 for the matmul), 6 bytes an
-entry. Its no-grad forward holds four such tensors at once, so a 32-row evaluation batch set a
+entry. Its no-grad forward holds four such tensors at once, so a 64-row evaluation batch set a
 run's peak memory (reward model, dschat bench: 0.90 GB against sdpa's 0.74). This keeps 2 bytes
 an entry in training and none in evaluation (docs/performance.md, "Attention on CPU")."""
 

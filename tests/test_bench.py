@@ -265,8 +265,8 @@ def test_the_dschat_rows_split_into_exactly_each_phases_rows(tmp_path, scale):
 def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
     args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--no-trl"])
     ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
-    for mode in ("fast", "baseline"):  # DeepSpeed-Chat decodes greedily: equal answer lengths
-        assert "ppo.greedy=true" in ppo[mode]
+    for mode in ("fast", "baseline"):  # rlhf's decoding, sampled at T=1, in both modes
+        assert "ppo.greedy=false" in ppo[mode]
         assert "ppo.per_device_generation_batch_size=4" in ppo[mode]
         assert "ppo.max_new_tokens=128" in ppo[mode]
     # prompts padded to 128, answers to the cap, old log-probs recomputed, no evaluation but
@@ -284,15 +284,15 @@ def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
     run = bench.merged(shared, ppo["baseline"])
     assert "step.eval_at_start=false" in run and "step.eval_at_start=true" not in run
     assert len({o.split("=", 1)[0] for o in run}) == len(run)  # no key twice
-    # rlhf's own decoding, sampled at T=1, in both modes
-    sampled = bench.parse_args(
+    # DeepSpeed-Chat's greedy decoding, in both modes
+    greedy = bench.parse_args(
         [
             *("--out", str(tmp_path), "--scenario", "dschat", "--no-trl"),
-            *("--ppo-decoding", "sampled"),
+            *("--ppo-decoding", "greedy"),
         ]
     )
-    ppo = bench.section_modes("ppo", sampled, "ACTOR", "CRITIC")
-    assert all("ppo.greedy=false" in ppo[mode] for mode in ("fast", "baseline"))
+    ppo = bench.section_modes("ppo", greedy, "ACTOR", "CRITIC")
+    assert all("ppo.greedy=true" in ppo[mode] for mode in ("fast", "baseline"))
 
 
 @pytest.mark.slow

@@ -565,7 +565,7 @@ def test_dropping_finished_answers_is_on_by_default_wherever_it_applies(keys, dr
     ],
 )
 def test_held_out_answers_are_decoded_dropping_finished_rows_as_rollouts_are(keys, drops):
-    # HF's generate kept every row to the longest answer: 4 s for 2 prompts on the dschat bench
+    # HF's generate keeps every row of the batch until the longest answer ends
     from rlhf.config import Config, PPOConfig
     from rlhf.rl.generation import eval_sampling
 

@@ -59,8 +59,8 @@ def rollout_sampling(cfg: Config, max_new_tokens: int) -> Sampling:
 def eval_sampling(cfg: Config, max_new_tokens: int, greedy: bool) -> Sampling:
     """How held-out answers are decoded: at ppo.temperature / top_p / top_k, to the end-of-text,
     dropping each answer from the batch as it ends unless ppo.drop_finished_rows=false or the
-    cache is static. Same answers as HF's generate; its per-step overhead made a PPO
-    evaluation of 2 prompts take 4 s on the dschat bench."""
+    cache is static. Same answers as HF's generate, which keeps every row of the batch until
+    the longest answer ends."""
     ppo = cfg.ppo
     drop = ppo.drop_finished_rows is not False and ppo.generation_cache == "dynamic"
     return Sampling(

@@ -109,10 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--ppo-decoding",
-        default="greedy",
+        default="sampled",
         choices=("greedy", "sampled"),
-        help="dschat: PPO answers of both modes greedy (DeepSpeed-Chat's) or sampled at T=1 "
-        "(rlhf's default); each pair decodes alike, so answer lengths match",
+        help="dschat: PPO answers of both modes sampled at T=1 (rlhf's default) or greedy "
+        "(DeepSpeed-Chat's; an actor trained on the scenario's random-word rows answers "
+        "greedily with the end-of-text at once, so greedy runs measure empty answers)",
     )
     known, _ = p.parse_known_args(argv)
     if known.scenario == "dschat":  # its shapes become the defaults; options still override
