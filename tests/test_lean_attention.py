@@ -1,17 +1,15 @@
 """``lean_eager`` attention (rlhf/attention.py) computes what transformers' eager attention
 computes: the same forward, the same gradients (to the rounding of the bf16 probabilities it
-keeps), sdpa's kernel where no gradient is taken, and models load and train with it."""
+keeps), and sdpa's kernel where no gradient is taken. Models loading and training with it:
+tests/test_model_fast_paths.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
 from transformers.models.opt.modeling_opt import eager_attention_forward
 
 from rlhf import attention as lean
-from rlhf.config import ModelConfig
-from rlhf.models import load_value_model
 
 B, H, T, D = 3, 4, 24, 8
 
@@ -99,53 +97,3 @@ def test_without_a_gradient_or_with_dropout_sdpa_runs_instead(monkeypatch):
     lean.lean_eager_attention_forward(_Module().train(), q, k, v, mask, D**-0.5, dropout=0.1)
     with pytest.raises(AssertionError, match="matmul path"):
         lean.lean_eager_attention_forward(_Module().train(), q, k, v, mask, D**-0.5)
-
-
-def _tiny_opt(attn: str) -> OPTForCausalLM:
-    torch.manual_seed(0)
-    config = OPTConfig(
-        vocab_size=64,
-        hidden_size=32,
-        word_embed_proj_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=64,
-        max_position_embeddings=64,
-        dropout=0.0,
-    )
-    return OPTForCausalLM._from_config(config, attn_implementation=attn)
-
-
-def test_a_model_trains_with_it_as_with_eager():
-    ids = torch.randint(3, 64, (3, 20), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0  # left padding
-    kept = mask.bool()
-    results = {}
-    for attn in ("eager", lean.LEAN_EAGER):
-        model = _tiny_opt(attn)
-        assert model.config._attn_implementation == attn
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        logits[kept].logsumexp(-1).sum().backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        results[attn] = (logits.detach()[kept], grads)
-    torch.testing.assert_close(*(r[0] for r in results.values()), atol=1e-5, rtol=0)
-    assert _rel(*(r[1] for r in reversed(results.values()))) < 1e-5
-
-
-def test_the_value_model_loads_with_it(tmp_path):
-    from transformers import AutoTokenizer
-
-    from rlhf.assets import TINY_TOKENIZER_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
-    _tiny_opt("eager").save_pretrained(tmp_path)
-    scorer = load_value_model(
-        ModelConfig(), str(tmp_path), tokenizer, "bf16", attention="lean_eager"
-    )
-    assert scorer.hf.config._attn_implementation == "lean_eager"
-    ids = torch.randint(3, 64, (2, 12))
-    values = scorer(ids, torch.ones_like(ids))
-    values.sum().backward()
-    assert values.shape == (2, 12) and torch.isfinite(values).all()
-    assert all(p.grad is not None for p in scorer.parameters() if p.requires_grad)

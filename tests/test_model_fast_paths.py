@@ -86,18 +86,18 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("fp32", 1e-5), ("bf16", 0.05)])
-def test_eager_and_sdpa_load_the_same_model(tiny_dir, dtype, tolerance):
+def test_the_attentions_load_the_same_model(tiny_dir, dtype, tolerance):
     """The loaders pass the choice to transformers (the value model too), and a padded batch
-    gives the same logits and values either way."""
+    gives the same logits and values with eager, lean_eager and sdpa."""
     path, tokenizer = tiny_dir
     ids = torch.randint(3, len(tokenizer), (3, 20), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, 12:] = 0
     mask[2, 5:] = 0
     logits, values = {}, {}
-    for attn in ("eager", "sdpa"):
+    for attn in ("eager", "lean_eager", "sdpa"):
         lm = load_causal_lm(ModelConfig(), path, tokenizer, dtype, attention=attn).eval()
-        torch.manual_seed(2)  # the same new score head both times
+        torch.manual_seed(2)  # the same new score head every time
         scorer = load_value_model(ModelConfig(), path, tokenizer, dtype, attention=attn).eval()
         assert lm.config._attn_implementation == attn
         assert scorer.hf.config._attn_implementation == attn
@@ -105,8 +105,42 @@ def test_eager_and_sdpa_load_the_same_model(tiny_dir, dtype, tolerance):
             logits[attn] = lm(input_ids=ids, attention_mask=mask).logits.float()
             values[attn] = scorer(ids, mask)
     kept = mask.bool()
-    torch.testing.assert_close(logits["eager"][kept], logits["sdpa"][kept], atol=tolerance, rtol=0)
-    torch.testing.assert_close(values["eager"][kept], values["sdpa"][kept], atol=tolerance, rtol=0)
+    for other in ("lean_eager", "sdpa"):
+        torch.testing.assert_close(
+            logits["eager"][kept], logits[other][kept], atol=tolerance, rtol=0
+        )
+        torch.testing.assert_close(
+            values["eager"][kept], values[other][kept], atol=tolerance, rtol=0
+        )
+
+
+def test_lean_eager_trains_as_eager_does(tiny_dir):
+    """Its training path (rlhf/attention.py; tests/test_lean_attention.py checks the function):
+    the same logits and gradients as eager in fp32, for the causal LM and the value model."""
+    path, tokenizer = tiny_dir
+    ids = torch.randint(3, len(tokenizer), (3, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # left padding
+    kept = mask.bool()
+    results = {}
+    for attn in ("eager", "lean_eager"):
+        lm = load_causal_lm(ModelConfig(), path, tokenizer, "fp32", attention=attn)
+        torch.manual_seed(2)
+        scorer = load_value_model(ModelConfig(), path, tokenizer, "fp32", attention=attn)
+        logits = lm(input_ids=ids, attention_mask=mask).logits
+        values = scorer(ids, mask)
+        (logits[kept].logsumexp(-1).sum() + values[kept].sum()).backward()
+        grads = [
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            for model in (lm, scorer)
+        ]
+        assert all(torch.isfinite(g).all() for g in grads)
+        results[attn] = (logits.detach()[kept], values.detach()[kept], grads)
+    (lm_eager, v_eager, g_eager), (lm_lean, v_lean, g_lean) = results.values()
+    torch.testing.assert_close(lm_lean, lm_eager, atol=1e-5, rtol=0)
+    torch.testing.assert_close(v_lean, v_eager, atol=1e-5, rtol=0)
+    for lean, eager in zip(g_lean, g_eager, strict=True):
+        assert ((lean - eager).norm() / eager.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize(
