@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# "full" is not a sample estimate: the exact KL over the vocabulary (:func:`full_kl`)
+KL_ESTIMATORS = ("k1", "k2", "k3", "full")
+SAMPLE_KL_ESTIMATORS = ("k1", "k2", "k3")
 Dim = int | tuple[int, ...] | None
 # log-ratios are clamped to +-this before exp (as verl does): e^20 is already far past any clip,
 # and a larger one would overflow to inf in half precision (and in fp32 past ~88)
@@ -143,6 +145,19 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------- PPO
 
 
+def full_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
+    """Exact KL(policy || ref) of each position's next-token distributions, summed over the
+    vocabulary in float32: (B, T, V) logits of policy and reference -> (B, T).
+
+    It reads no sampled token, so it is the KL whatever chose the tokens. The sample estimators
+    are unbiased only for tokens drawn from the policy: on a greedy rollout they are evaluated at
+    each position's argmax, which greedy selection makes the largest log-ratio of the vocabulary
+    when the distributions are flat (docs/ppo.md, item 8)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
 
@@ -159,7 +174,26 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     if estimator == "k3":
         log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown kl estimator {estimator!r}; accepted: {', '.join(KL_ESTIMATORS)}")
+    raise ValueError(
+        f"unknown kl estimator {estimator!r}; accepted: {', '.join(SAMPLE_KL_ESTIMATORS)} "
+        "('full' needs the logits: full_kl)"
+    )
+
+
+def per_token_kl(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: str,
+    logits: Tensor | None = None,
+    ref_logits: Tensor | None = None,
+) -> Tensor:
+    """(B, T) KL(policy || ref) per answer token: :func:`full_kl` of the (B, T, V) logits for
+    "full", else :func:`kl_penalty` of the (B, T) log-probs of the tokens in the rollout."""
+    if estimator != "full":
+        return kl_penalty(logprobs, ref_logprobs, estimator)
+    if logits is None or ref_logits is None:
+        raise ValueError("the 'full' KL needs the policy's and the reference's logits")
+    return full_kl(logits, ref_logits)
 
 
 def compute_rewards(
@@ -170,17 +204,22 @@ def compute_rewards(
     kl_coef: float,
     clip_reward_value: float | None,
     kl_estimator: str = "k1",
+    token_kl: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DeepSpeed-Chat's reward shaping: a KL penalty on every response token plus the score at the end.
 
     scores: (B,) reward-model scores, clipped to [-clip_reward_value, clip_reward_value] (None: no clip).
-    logprobs, ref_logprobs, response_mask: (B, T). kl_coef: penalty weight.
+    logprobs, ref_logprobs, response_mask: (B, T). kl_coef: penalty weight. token_kl: (B, T) the
+    per-token KL when the caller computed it (:func:`per_token_kl`, needed for "full"); None: the
+    ``kl_estimator`` of the log-probs.
     Returns rewards (B, T) = -kl_coef * kl, with the clipped score added at each row's last real token, and
     kl (B, T), the per-token estimate; both 0 on masked positions. A row with no response token gets
     nothing added: its rewards are all 0.
     """
     mask = response_mask.bool()
-    kl = _clean(kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), kl_estimator), mask)
+    if token_kl is None:
+        token_kl = kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), kl_estimator)
+    kl = _clean(token_kl, mask)
     if clip_reward_value is not None:
         scores = scores.clamp(-clip_reward_value, clip_reward_value)
     idx = torch.arange(mask.shape[-1], device=mask.device)

@@ -406,7 +406,7 @@ class RewardConfig:
         return out
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GENERATION_CACHES = ("dynamic", "static")
 # step 3's advantage estimators: gae trains a critic, the others are critic-free; the group ones
 # compare the answers sampled for one prompt
@@ -480,7 +480,7 @@ class PPOConfig:
     # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does.
     # null: true in fp32, false in bf16 / fp16, whose KV-cached decoding computes other logits
     # than the update's forward (the first ratio is not 1, the KL gets a floor); always false
-    # with actor.hybrid_engine, whose inference kernels differ too
+    # with actor.hybrid_engine, whose inference kernels differ too, and with kl_estimator=full
     rollout_logprobs: bool | None = None
     # PPO iterations between measurements of the sampler / trainer log-prob gap
     # (ppo/logprob_diff_mean, ppo/logprob_diff_max: |sampled - training forward's| per answer
@@ -501,7 +501,10 @@ class PPOConfig:
     # the habits go, in both batch settings; with 4 PPO epochs x 2 generation batches, 0.2 loses
     # 3-5 points of it and 0.1 more
     kl_coef: float = 0.3
-    kl_estimator: str = "k1"  # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0)
+    # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0): estimates from the answer's
+    # tokens, unbiased only if they were sampled; full: the exact KL over the vocabulary at each
+    # answer position (for greedy rollouts, whose argmax tokens bias k1 upwards: docs/ppo.md 8)
+    kl_estimator: str = "k1"
     # false: -kl_coef x KL per token in the reward (PPO, REINFORCE++); true: kl_coef x KL
     # (kl_estimator, GRPO's is k3) per token in the actor's loss, the reward is the score alone
     kl_in_loss: bool = False
@@ -621,6 +624,20 @@ class PPOConfig:
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+        elif self.kl_estimator == "full" and self.kl_in_loss:
+            # the loss term would need the reference's (B, R, V) logits kept per rollout
+            out.append(
+                ("kl_in_loss", True, "false with kl_estimator=full (k1, k2 or k3 in the loss)")
+            )
+        elif self.kl_estimator == "full" and self.rollout_logprobs:
+            out.append(
+                (
+                    "rollout_logprobs",
+                    True,
+                    "null or false with kl_estimator=full (it needs the "
+                    "actor's distributions, which the sampler does not keep)",
+                )
+            )
         if self.drop_finished_rows and (not self.stop_at_eos or self.generation_cache != "dynamic"):
             out.append(
                 (

@@ -107,6 +107,67 @@ def test_kl_penalty_estimators():
         algos.kl_penalty(logp, ref, "k4")
 
 
+def test_full_kl_hand_computed():
+    # policy [0.25, 0.75] (logits 0, ln 3) against a uniform reference [0.5, 0.5]:
+    # 0.25 ln(0.25 / 0.5) + 0.75 ln(0.75 / 0.5) = 0.75 ln 1.5 - 0.25 ln 2
+    logits = torch.tensor([[[0.0, math.log(3.0)], [1.0, 1.0]]])
+    ref_logits = torch.tensor([[[2.0, 2.0], [1.0, 1.0]]])
+    close(algos.full_kl(logits, ref_logits), [[0.75 * math.log(1.5) - 0.25 * math.log(2.0), 0.0]])
+    # a shift of all logits changes no distribution
+    close(algos.full_kl(logits + 5.0, ref_logits - 3.0), algos.full_kl(logits, ref_logits))
+
+
+def test_full_kl_is_the_expectation_of_k1_over_the_policy():
+    gen = torch.Generator().manual_seed(0)
+    logits, ref_logits = torch.randn(3, 4, 11, generator=gen), torch.randn(3, 4, 11, generator=gen)
+    logp, ref_logp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    expected_k1 = (logp.exp() * (logp - ref_logp)).sum(-1)
+    close(algos.full_kl(logits, ref_logits), expected_k1, atol=1e-6)
+    tokens = torch.randint(0, 11, (3, 4), generator=gen)
+    picked = (
+        logp.gather(-1, tokens[..., None])[..., 0],
+        ref_logp.gather(-1, tokens[..., None])[..., 0],
+    )
+    close(algos.per_token_kl(*picked, "k1"), picked[0] - picked[1])
+    close(algos.per_token_kl(*picked, "full", logits, ref_logits), expected_k1, atol=1e-6)
+    with pytest.raises(ValueError, match="logits"):
+        algos.per_token_kl(*picked, "full")
+    with pytest.raises(ValueError, match="full_kl"):
+        algos.kl_penalty(*picked, "full")
+
+
+def test_k1_at_the_greedy_token_of_a_flat_policy_is_the_largest_log_ratio():
+    # issue 19's greedy KL: a flat reference over 1280 tokens and a policy a small random
+    # change away. The exact KL is about sigma^2 / 2 a position, but greedy decoding takes the
+    # argmax, whose log-ratio is about the largest change: sigma * sqrt(2 ln 1280)
+    gen = torch.Generator().manual_seed(0)
+    sigma, positions, vocab = 0.5, 128, 1280
+    ref_logits = torch.zeros(1, positions, vocab)
+    logits = ref_logits + sigma * torch.randn(1, positions, vocab, generator=gen)
+    greedy = logits.argmax(-1)
+    logp, ref_logp = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    k1 = algos.kl_penalty(
+        logp.gather(-1, greedy[..., None])[..., 0], ref_logp.gather(-1, greedy[..., None])[..., 0]
+    )
+    exact = algos.full_kl(logits, ref_logits)
+    assert 0.1 < exact.mean() < 0.15  # sigma^2 / 2 = 0.125
+    assert k1.mean() > 8 * exact.mean()  # 1.5 a token here: 196 nats over 128 tokens
+    # a sampled token's k1 is unbiased: its mean over many draws is the exact KL
+    draws = torch.multinomial(logp[0].exp(), 2000, replacement=True, generator=gen)  # (T, 2000)
+    sampled_k1 = logp[0].gather(-1, draws) - ref_logp[0].gather(-1, draws)
+    close(sampled_k1.mean(), exact.mean(), atol=0.01)
+
+
+def test_compute_rewards_takes_a_precomputed_token_kl():
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    token_kl = torch.tensor([[0.2, 0.4]])
+    rewards, kl = algos.compute_rewards(
+        torch.tensor([1.0]), logprobs, ref, torch.tensor([[1, 1]]), 0.5, None, "full", token_kl
+    )
+    close(kl, [[0.2, 0.4]])
+    close(rewards, [[-0.1, 1.0 - 0.2]])
+
+
 def test_k3_nonnegative():
     logp, ref = torch.randn(64, 16) * 3, torch.randn(64, 16) * 3
     assert (algos.kl_penalty(logp, ref, "k3") >= 0).all()

@@ -313,12 +313,13 @@ def test_rollout_logprobs_equal_a_second_forward_over_the_rollout(greedy):
     assert (rollout.logprobs[kept] < 0).all()  # the model's own, not top-k-renormalised
 
 
-def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_path():
+@pytest.mark.parametrize("kl_estimator", ["k1", "full"])
+def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_path(kl_estimator):
     actor, reference = counting_lm(), tiny_lm(seed=5)
     critic, reward = tiny_scorer(seed=2), tiny_scorer(seed=3)
     shaping = Shaping(
         kl_coef=0.1,
-        kl_estimator="k1",
+        kl_estimator=kl_estimator,
         clip_reward_value=5.0,
         gamma=1.0,
         lam=0.95,
@@ -374,6 +375,15 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
         torch.testing.assert_close(
             getattr(early, field)[kept], getattr(full, field)[:, :width][kept], atol=1e-5, rtol=0
         )
+    if kl_estimator == "full":  # the exact KL of the two models' distributions, not of a token
+        with torch.no_grad():
+            start = full.prompt_width - 1
+            _, logits = response_logprobs(actor, full.sequences, full.attention_mask, start)
+            _, ref_logits = response_logprobs(reference, full.sequences, full.attention_mask, start)
+        exact = algos.full_kl(logits, ref_logits)
+        kept = full.response_mask
+        torch.testing.assert_close(full.kl[kept], exact[kept], atol=1e-5, rtol=0)
+        assert not torch.allclose(full.kl[kept], full.old_logprobs[kept] - full.ref_logprobs[kept])
 
 
 def test_packed_rollout_rows_give_the_padded_logprobs_values_and_gradients():

@@ -227,9 +227,9 @@ def test_a_saved_generation_config_changes_neither_sampling_nor_greedy_answers(l
 
 
 def test_rollout_logprobs_default_to_a_recompute_outside_fp32():
-    def cfg(rollout_logprobs=None, hybrid=False):
+    def cfg(rollout_logprobs=None, hybrid=False, kl_estimator="k1"):
         return SimpleNamespace(
-            ppo=SimpleNamespace(rollout_logprobs=rollout_logprobs),
+            ppo=SimpleNamespace(rollout_logprobs=rollout_logprobs, kl_estimator=kl_estimator),
             actor=SimpleNamespace(hybrid_engine=hybrid),
         )
 
@@ -239,6 +239,8 @@ def test_rollout_logprobs_default_to_a_recompute_outside_fp32():
     assert uses_rollout_logprobs(cfg(True), "bf16") is True
     assert uses_rollout_logprobs(cfg(False), "fp32") is False
     assert uses_rollout_logprobs(cfg(None, hybrid=True), "fp32") is False
+    # the exact KL needs the actor's distributions, which the sampler does not keep
+    assert uses_rollout_logprobs(cfg(None, kl_estimator="full"), "fp32") is False
 
 
 def test_logprob_gap_is_the_mean_and_max_absolute_difference_over_answer_tokens():

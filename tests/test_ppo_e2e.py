@@ -224,6 +224,11 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
     )
     lines = (tmp_path / "zero3" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines))  # rank 0 logs alone
+    # greedy rollouts with a sampled-token KL estimator are told of the exact one
+    assert (
+        "ppo.kl_estimator=full takes the exact KL"
+        in (tmp_path / "zero0" / "__main__.log").read_text()
+    )
     zero0, zero3 = _parity_rows(tmp_path / "zero0"), _parity_rows(tmp_path / "zero3")
     assert zero0["ppo/actor_loss"][0] != 0  # the comparison is of real numbers
     for key in PARITY_KEYS:
@@ -239,11 +244,15 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
         f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
         "ppo.reward_function=toy_gold",
         "ppo.normalize_reward=false",
+        "ppo.kl_estimator=full",  # the exact KL through the experience and the evaluator
         "step.max_steps=4",
         "step.eval_interval=2",
         *cache_overrides(cache_dir),
     ]
     run_rlhf(overrides, run_dir=tmp_path / "gold", extra_env=ONE_THREAD)
+    kls = [r[k] for r in read_metrics(tmp_path / "gold") for k in ("ppo/kl", "eval/kl") if k in r]
+    assert len(kls) >= 4 and max(kls) > 0
+    assert min(kls) >= -1e-6  # an exact KL, where a sampled k1 estimate goes below 0
     evals = _rows(tmp_path / "gold", "eval/gold_accuracy")
     assert [r["step"] for r in evals] == [0, 2, 4]
     for row in evals:  # greedy answers: their reward is the gold check of the same answers

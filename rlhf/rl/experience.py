@@ -224,11 +224,21 @@ def _score(
 
     packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
     logprob_args = dict(fp32=shaping.fp32_logits, temperature=shaping.temperature, packing=packing)
-    if rollout.logprobs is not None:  # the sampling pass already computed them
+    exact_kl = shaping.kl_estimator == "full"  # needs both models' (B, R, V) logits
+    old_logits = None
+    # the sampling pass computed them, but keeps no distributions for the "full" KL
+    if rollout.logprobs is not None and not exact_kl:
         old_logprobs = rollout.logprobs.to(device)
     else:
-        old_logprobs, _ = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
-    ref_logprobs, _ = response_logprobs(reference, sequences, attention_mask, start, **logprob_args)
+        old_logprobs, old_logits = response_logprobs(
+            actor, sequences, attention_mask, start, **logprob_args
+        )
+        old_logits = old_logits if exact_kl else None  # freed before the next forward
+    ref_logprobs, ref_logits = response_logprobs(
+        reference, sequences, attention_mask, start, **logprob_args
+    )
+    token_kl = algos.full_kl(old_logits, ref_logits) if exact_kl else None
+    del old_logits, ref_logits
     if critic is not None:
         old_values = response_values(critic, sequences, attention_mask, start, packing).float()
     else:
@@ -243,6 +253,7 @@ def _score(
         shaping.kl_coef,
         None,  # penalised_scores clipped them
         shaping.kl_estimator,
+        token_kl,
     )
     advantages, returns = ESTIMATORS[shaping.estimator](
         shaping, rewards, old_values, response_mask, baselines
@@ -416,8 +427,9 @@ def uses_rollout_logprobs(cfg: Config, dtype: str) -> bool:
     """ppo.rollout_logprobs resolved: null takes the old log-probs from the sampling pass in fp32
     only. In bf16 / fp16 the KV-cached decoding computes other logits than the update's full
     forward, so the first ratio would not be 1 and the KL to the reference would get a floor.
-    Never with the hybrid engine: its inference kernels compute other logits again."""
-    if cfg.actor.hybrid_engine:
+    Never with the hybrid engine: its inference kernels compute other logits again. Never with
+    the "full" KL, which needs the actor's distributions, not only its tokens' log-probs."""
+    if cfg.actor.hybrid_engine or cfg.ppo.kl_estimator == "full":
         return False
     if cfg.ppo.rollout_logprobs is None:
         return dtype == "fp32"

@@ -130,6 +130,14 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "step, so rollouts use HF generate with synced_gpus",
             world_size(),
         )
+    if ppo.greedy and ppo.kl_estimator != "full":
+        log.warning(
+            "ppo.greedy=true with ppo.kl_estimator=%s: the KL is estimated at each position's "
+            "argmax, which greedy selection biases upwards where the actor's next-token "
+            "distributions are flat (tens of nats an answer: docs/ppo.md, item 8); "
+            "ppo.kl_estimator=full takes the exact KL",
+            ppo.kl_estimator,
+        )
     log.info(
         "PPO (%s): %d prompts, %d iterations of %d prompts x %d answers x %d PPO epochs, actor "
         "ZeRO-%d, reward model ZeRO-%d, %d rank(s), reward: %s",
