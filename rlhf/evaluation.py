@@ -25,7 +25,7 @@ from rlhf.data.sampling import eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
-from rlhf.rl.experience import mask_short_answers, response_logprobs, reward_scores
+from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
 from rlhf.rl.models import Models, max_new_tokens
 
@@ -334,21 +334,20 @@ class PPOEvaluator:
         ppo = self.cfg.ppo
         temperature = 1.0 if sampling.greedy else sampling.temperature
         fp32 = self.cfg.actor.optim.compute_fp32_loss  # as the rollouts score them
-        logprobs, logits = response_logprobs(
-            models.actor, sequences, mask, start, fp32=fp32, temperature=temperature
-        )
-        logits = logits if ppo.kl_estimator == "full" else None  # (B, R, V): only for full_kl
-        ref_logprobs, ref_logits = response_logprobs(
-            models.reference, sequences, mask, start, fp32=fp32, temperature=temperature
+        per_token = answer_kl(
+            models.actor,
+            models.reference,
+            sequences,
+            mask,
+            start,
+            ppo.kl_estimator,
+            fp32=fp32,
+            temperature=temperature,
         )
         response_mask = rollout.response_mask.to(device)
         kl_mask = response_mask
         if ppo.short_answer_penalty is None:  # short answers carry no KL in training either
             kl_mask, _ = mask_short_answers(response_mask, ppo.min_response_tokens)
-        per_token = algos.per_token_kl(
-            logprobs.float(), ref_logprobs.float(), ppo.kl_estimator, logits, ref_logits
-        )
-        del logits, ref_logits
         kl = algos.masked_sum(per_token, kl_mask, dim=1)
         scores = reward_scores(
             models.reward, sequences, mask, rollout.prompt_width, response_mask, self.score_position
@@ -561,14 +560,13 @@ class DPOEvaluator:
         sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
         start = rollout.prompt_width - 1
         temperature = 1.0 if sampling.greedy else sampling.temperature
-        logprobs, logits = response_logprobs(
-            engine, sequences, mask, start, temperature=temperature
-        )
-        logits = logits if self.cfg.ppo.kl_estimator == "full" else None  # only for full_kl
-        ref_logprobs, ref_logits = response_logprobs(
-            reference, sequences, mask, start, temperature=temperature
-        )
-        per_token = algos.per_token_kl(
-            logprobs.float(), ref_logprobs.float(), self.cfg.ppo.kl_estimator, logits, ref_logits
+        per_token = answer_kl(
+            engine,
+            reference,
+            sequences,
+            mask,
+            start,
+            self.cfg.ppo.kl_estimator,
+            temperature=temperature,
         )
         return algos.masked_sum(per_token, rollout.response_mask.to(device), dim=1).cpu()

@@ -111,6 +111,20 @@ def response_logprobs(
     return algos.logprobs_from_logits(logits, sequences[:, start + 1 :]), logits
 
 
+def answer_kl(
+    actor, reference, sequences, attention_mask, start: int, estimator: str, **logprob_args
+) -> torch.Tensor:
+    """(B, R) KL(actor || reference) per answer token under ``estimator``: from the two models'
+    log-probs of the answer's tokens, or for "full" from their (B, R, V) logits (kept only
+    then). ``logprob_args``: :func:`response_logprobs`' fp32 / temperature / packing."""
+    logprobs, logits = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
+    logits = logits if estimator == "full" else None  # freed before the reference's forward
+    ref_logprobs, ref_logits = response_logprobs(
+        reference, sequences, attention_mask, start, **logprob_args
+    )
+    return algos.per_token_kl(logprobs.float(), ref_logprobs.float(), estimator, logits, ref_logits)
+
+
 def sequence_values(
     model, sequences: torch.Tensor, attention_mask: torch.Tensor, packing: RowPacking | None = None
 ) -> torch.Tensor:
