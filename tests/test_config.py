@@ -61,7 +61,7 @@ def test_every_option_composes_and_validates(group, option, local_file):
 
 
 def test_design_groups_have_their_options():
-    """The options DESIGN.md promises."""
+    """The options docs/configuration.md's group table promises."""
     promised = {
         "step": "sft reward ppo dpo all",
         "algo": "ppo grpo rloo reinforce_pp remax dr_grpo dapo dpo",
