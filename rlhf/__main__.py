@@ -49,10 +49,11 @@ _RUN_TIME_ENV = "RLHF_RUN_TIME"
 
 def main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        print_help([a for a in sys.argv[1:] if not a.startswith("-")])
+        print_help([a for a in sys.argv[1:] if a not in ("--help", "-h")])
         return
-    _refuse_unknown_keys(sys.argv[1:])
     _accept_local_rank_flag()
+    _refuse_unknown_keys(sys.argv[1:])
+    _preflight(sys.argv[1:])
     _share_run_time()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     register_configs()
@@ -193,22 +194,49 @@ def run_step(
     return summary.get("eval/loss")
 
 
-def print_help(overrides: list[str]) -> None:
-    """Every group and key, with the value ``overrides`` compose to and its meaning (Hydra's
-    own help: --hydra-help)."""
-    from hydra import compose, initialize_config_dir
-
+def print_help(args: list[str]) -> None:
+    """Every group and key, with the value the overrides in ``args`` compose to and its
+    meaning; a word without "=" keeps the keys it names (``--help ppo``). Hydra's own help:
+    --hydra-help."""
     from rlhf import help as key_help
 
+    _refuse_unknown_keys([a for a in args if a not in key_help.help_filters(args)])
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
-    register_configs()
-    with initialize_config_dir(config_dir=str(key_help.CONF_DIR), version_base="1.3"):
-        composed = OmegaConf.to_container(compose("config", overrides), resolve=True)
-    print(key_help.text(composed, key_help.config_groups()))
+    try:
+        composed, filters = key_help.composed_for_help(args)
+        print(key_help.text(composed, key_help.config_groups(), filters))
+    except ConfigError as err:
+        _fail(err)
+
+
+def _preflight(args: list[str]) -> None:
+    """What Hydra would answer with a traceback, as one line: a YAML syntax error in conf/ or
+    the -cd directory, a run or sweep directory that cannot be made."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rlhf import preflight
+    from rlhf.help import CONF_DIR
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    dirs = [CONF_DIR, *([Path(parsed.config_dir).absolute()] if parsed.config_dir else [])]
+    try:
+        preflight.check_yaml_files(dirs)
+        for override in OverridesParser.create().parse_overrides(parsed.overrides):
+            value = override.value()
+            if override.key_or_group in ("hydra.run.dir", "hydra.sweep.dir") and isinstance(
+                value, str
+            ):
+                preflight.check_output_dir(override.key_or_group, value)
+    except ConfigError as err:
+        _fail(err)
 
 
 def _fail(err: ConfigError) -> None:
-    print(f"error: {err}", file=sys.stderr)
+    """The message once (rank 0: every rank of a launch composes the same config and fails
+    alike), exit status 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -220,11 +248,16 @@ def _refuse_unknown_keys(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from rlhf.preflight import check_override_syntax
+
     parsed, _ = get_args_parser().parse_known_args(args)
     try:
+        check_override_syntax(parsed.overrides)
         overrides = OverridesParser.create().parse_overrides(parsed.overrides)
+    except ConfigError as err:
+        _fail(err)
     except HydraException:
-        return  # a syntax error: Hydra reports it itself
+        return  # another syntax error: Hydra reports it itself
     groups = _config_groups(parsed.config_dir)
     problems = [
         f"{o.input_line}: {unknown_key(o.key_or_group)}"

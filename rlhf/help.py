@@ -11,6 +11,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
+import os
+import shutil
+import sys
+import textwrap
 import tokenize
 import typing
 from pathlib import Path
@@ -19,6 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf import config as schema
+from rlhf import preflight
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -109,34 +114,114 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def text(composed: dict[str, Any], groups: str) -> str:
-    """``--help``: the groups, then every key with its composed value and meaning."""
+def text(composed: dict[str, Any], groups: str, filters: list[str] = (), width: int = 0) -> str:
+    """``--help``: the groups, then every key with its composed value and meaning; with
+    ``filters``, only the keys each names (see :func:`matching`). Meanings wrap at ``width``
+    (0: the terminal's)."""
     rows = reference(composed)
-    width = max(len(f"{k}={v}") for k, v, _ in rows if len(f"{k}={v}") <= 44)
-    out = [
-        "rlhf: DeepSpeed-Chat's RLHF pipeline (SFT -> reward model -> PPO) on Hydra.",
-        "",
-        "Usage: python -m rlhf [group=option ...] [key=value ...]   (-m: a sweep)",
-        "",
-        "== Config groups (group=option) ==",
-        groups,
-        "",
-        "== Keys (key=value as composed here; override any) ==",
-    ]
+    if filters:
+        rows = [row for row in rows if row[0] in matching([k for k, _, _ in rows], filters)]
+        groups = "\n".join(g for g in groups.splitlines() if g.split(":")[0] in filters)
+    width = width or _terminal_width()
+    column = max(len(f"{k}={v}") for k, v, _ in rows if len(f"{k}={v}") <= 44)
+    usage = "Usage: python -m rlhf [group=option ...] [key=value ...]   (-m: a sweep)"
+    out = ["rlhf: DeepSpeed-Chat's RLHF pipeline (SFT -> reward model -> PPO) on Hydra.", ""]
+    out += [usage, ""] if not filters else []
+    if groups:
+        out += ["== Config groups (group=option) ==", groups, ""]
+    shown = f" matching {' '.join(filters)}" if filters else ""
+    out.append(f"== Keys{shown} (key=value as composed here; override any) ==")
     section = None
     for key, value, meaning in rows:
         if section_of(key) != section:
             section = section_of(key)
             out.append(f"-- {section}")
-        setting = f"{key}={value}"
-        out.append(f"  {setting.ljust(width)}  {meaning}" if len(setting) <= width else
-                   f"  {setting}\n  {'':{width}}  {meaning}")  # fmt: skip
+        out += _entry(f"{key}={value}", meaning, column, width)
     out += [
         "",
         "The same as a table: docs/config.md. The composed config: python -m rlhf --cfg job.",
+        "Only some keys: python -m rlhf --help PREFIX (ppo, actor.optim, lr ...).",
         "Hydra's own options: python -m rlhf --hydra-help.",
     ]
     return "\n".join(out)
+
+
+def _terminal_width() -> int:
+    """$COLUMNS, else the terminal's width; 100 when the output is a file or a pipe."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    return shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+
+
+def _entry(setting: str, meaning: str, column: int, width: int) -> list[str]:
+    """A key's lines: ``setting`` then its meaning, wrapped to ``width`` in a column of its own
+    (below the setting when the setting is wider than the column or the terminal is narrow)."""
+    indent = 2 + column + 2
+    if width - indent < 40:  # a narrow terminal: meanings below their keys
+        indent = 6
+    lines = textwrap.wrap(setting, width - 2, break_on_hyphens=False) or [setting]
+    out = [f"  {line}" for line in lines]
+    wrapped = textwrap.wrap(meaning, max(width - indent, 20), break_on_hyphens=False)
+    if wrapped and indent > 6 and len(lines) == 1 and len(setting) <= column:
+        out = [f"  {setting.ljust(column)}  {wrapped[0]}"]
+        wrapped = wrapped[1:]
+    return out + [" " * indent + line for line in wrapped]
+
+
+def matching(keys: list[str], filters: list[str]) -> list[str]:
+    """The keys a filter names: those starting with it (``ppo``, ``actor.optim``); where none
+    does, those with a dotted part starting with it (``lr``: optim.lr, actor.optim.lr ...).
+    A ConfigError naming the closest key when a filter names none."""
+    found = []
+    for word in filters:
+        hits = [k for k in keys if k.startswith(word)] or [
+            k for k in keys if any(part.startswith(word) for part in k.split(".")[1:])
+        ]
+        if not hits:
+            closest = (schema.unknown_key(word) or "").split("; ", 1)[-1]
+            raise schema.ConfigError(f"--help {word}: no key starts with {word!r}; {closest}")
+        found += hits
+    return found
+
+
+def help_filters(args: list[str]) -> list[str]:
+    """The words of ``python -m rlhf --help ARGS`` that filter the keys: overrides without "="."""
+    from hydra._internal.utils import get_args_parser
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    return [a for a in parsed.overrides if "=" not in a and not a.startswith(("+", "~"))]
+
+
+def composed_for_help(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """What ``python -m rlhf ARGS --help`` shows: the config ARGS compose to (``-cd``, ``-cn``
+    and overrides as a run reads them), resolved, and the filters (ARGS without ``=``). A bad
+    override or a composition error is a ConfigError of one line."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    filters = help_filters(args)
+    overrides = [a for a in parsed.overrides if a not in filters]
+    preflight.check_override_syntax(overrides)
+    config_dir = Path(parsed.config_dir).absolute() if parsed.config_dir else CONF_DIR
+    preflight.check_yaml_files(list(dict.fromkeys([config_dir, CONF_DIR])))
+    search = [f"hydra.searchpath=[file://{CONF_DIR}]"] if config_dir != CONF_DIR else []
+    schema.register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose(
+                parsed.config_name or "config", [*overrides, *search], return_hydra_config=True
+            )
+        HydraConfig.instance().set_config(cfg)  # a sweep file's ${hydra:...} values resolve
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return OmegaConf.to_container(cfg, resolve=True), filters
+    except (HydraException, OmegaConfBaseException) as err:
+        raise schema.ConfigError(preflight.composition_error(err)) from None
 
 
 def config_groups() -> str:

@@ -20,7 +20,7 @@ LAYERS = (
     ("rlhf.rl",),
     ("rlhf.evaluation",),
     ("rlhf.steps",),
-    ("rlhf.validate", "rlhf.help"),
+    ("rlhf.validate", "rlhf.help", "rlhf.preflight"),
     ("rlhf.__main__",),
 )
 # Beside the pipeline: may import any of it, and nothing in the pipeline imports them.

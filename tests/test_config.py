@@ -3,6 +3,7 @@ with a message naming the key, the value and what is accepted. In-process, nothi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -336,6 +337,7 @@ def test_help_prints_each_key_with_its_composed_value_and_meaning():
     proc = subprocess.run(
         [sys.executable, "-m", "rlhf", "ppo.kl_coef=0.3", "--help"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "120"},  # meanings beside their keys (80: below them)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("ppo.kl_coef="))

@@ -1,0 +1,98 @@
+"""Checks of a command line before Hydra runs it, each failing with one line (a ConfigError)
+where Hydra would print a traceback or a message with no way out: an override Hydra cannot
+parse (a path the shell split at a space, an unquoted accent), a YAML file with a syntax
+error, a run directory that cannot be made; and Hydra's composition errors as one line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from rlhf.config import ConfigError
+
+QUOTE_HINT = (
+    "quote the value inside the argument, as in \"data.sources.local.path='/my data/x.jsonl'\" "
+    "(Hydra reads an unquoted value as plain ASCII, without spaces)"
+)
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """Each override Hydra's grammar refuses, named with the reason and how to quote it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for index, override in enumerate(overrides):
+        try:
+            parser.parse_override(override)
+        except HydraException as err:
+            reason = str(err).strip().splitlines()[0]
+            previous = overrides[index - 1] if index > 0 else ""
+            if "=" not in override and "=" in previous:  # the shell split a value at a space
+                raise ConfigError(
+                    f"{override!r} is not an override (key=value): if it is the rest of "
+                    f"{previous!r} (a path with a space), quote the whole override: "
+                    f"'{previous} {override}'"
+                ) from None
+            raise ConfigError(
+                f"{override}: Hydra cannot parse it ({reason}); {QUOTE_HINT}"
+            ) from None
+
+
+def check_yaml_files(config_dirs: list[Path]) -> None:
+    """A YAML syntax error in a config directory as one line: file, line, the parser's message
+    (Hydra reports it as a 75-line traceback)."""
+    for config_dir in config_dirs:
+        for path in sorted(config_dir.rglob("*.yaml")) if config_dir.is_dir() else []:
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.MarkedYAMLError as err:
+                mark, start = err.problem_mark or err.context_mark, err.context_mark
+                where = f"{path}, line {mark.line + 1}" if mark else str(path)
+                context = err.context or ""
+                if start is not None and mark is not None and start.line != mark.line:
+                    context += f" (from line {start.line + 1})"
+                message = ": ".join(part for part in (context, err.problem) if part)
+                raise ConfigError(f"{where}: YAML syntax error: {message}") from None
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{path}: YAML error: {err}") from None
+
+
+def check_output_dir(key: str, value: str) -> None:
+    """``hydra.run.dir`` / ``hydra.sweep.dir`` as given on the command line: made now (Hydra
+    makes it next, and answers a failure with a traceback), and writable. A value with an
+    interpolation is left to Hydra."""
+    if "${" in value:
+        return
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={value}: that is a file; expected a directory (made if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"{key}={value}: cannot make the directory ({err.strerror}: {err.filename}); "
+            f"choose another {key}"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={value}: the directory is not writable; choose another {key}")
+
+
+def composition_error(err: Exception) -> str:
+    """One line for an error Hydra raised while composing (a missing option, a value of the
+    wrong type, an override it could not apply)."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        group, _, option = err.missing_cfg_file.rpartition("/")
+        options = ", ".join(err.options or [])
+        if group and options:
+            return f"{group}={option}: no such option; {group}'s options: {options}"
+        return f"no config named {err.missing_cfg_file!r}"
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        lines.append(str(cause).strip().splitlines()[0])
+    return "; ".join(dict.fromkeys(lines[:2] + lines[-1:])) or type(err).__name__

@@ -1,0 +1,92 @@
+"""Mistakes Hydra answers with a traceback or a message without a way out, answered in one line
+before anything runs: a YAML syntax error (file, line, the parser's message), a run directory
+that is a file or cannot be made, a path the shell split at a space or an unquoted accent; and a
+config error under torchrun printed once."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError
+from rlhf.preflight import check_output_dir, check_override_syntax, check_yaml_files
+from tests.conftest import run_rlhf
+
+NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
+
+
+def test_a_yaml_syntax_error_names_the_file_the_line_and_the_parser_message(tmp_path):
+    (tmp_path / "good.yaml").write_text("optim:\n  lr: 1e-3\n")
+    (tmp_path / "myexp.yaml").write_text("defaults:\n  - config\noptim:\n  lr: [1e-3\n\n")
+    with pytest.raises(ConfigError) as err:
+        check_yaml_files([tmp_path])
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'myexp.yaml'}, line 6:"), message
+    assert "while parsing a flow sequence (from line 4)" in message
+    assert "expected ',' or ']'" in message
+    check_yaml_files([tmp_path / "missing"])  # no directory, nothing to check
+
+
+def test_the_shipped_config_files_parse():
+    from rlhf.help import CONF_DIR
+
+    check_yaml_files([CONF_DIR, CONF_DIR.parent / "sweeps"])
+
+
+def test_a_run_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
+    occupied = tmp_path / "occupied"
+    occupied.write_text("a file")
+    with pytest.raises(ConfigError, match="that is a file; expected a directory"):
+        check_output_dir("hydra.run.dir", str(occupied))
+    with pytest.raises(ConfigError, match=r"cannot make the directory \(Not a directory"):
+        check_output_dir("hydra.run.dir", str(occupied / "run"))
+    with pytest.raises(ConfigError, match="cannot make the directory"):
+        check_output_dir("hydra.sweep.dir", "/proc/rlhf-no-such-dir/run")
+    check_output_dir("hydra.run.dir", str(tmp_path / "new" / "run"))
+    assert (tmp_path / "new" / "run").is_dir()
+    check_output_dir("hydra.run.dir", "${oc.env:HOME}/x")  # left to Hydra
+    assert not (tmp_path / "${oc.env:HOME}").exists()
+
+
+def test_a_value_split_at_a_space_or_an_accent_gets_the_quoting_hint():
+    with pytest.raises(ConfigError) as err:
+        check_override_syntax(["data=local", "data.sources.local.path=/tmp/my", "data/x.jsonl"])
+    assert "'data/x.jsonl' is not an override (key=value)" in str(err.value)
+    assert "quote the whole override: 'data.sources.local.path=/tmp/my data/x.jsonl'" in str(
+        err.value
+    )
+    with pytest.raises(ConfigError) as err:
+        check_override_syntax(["data.sources.local.path=/tmp/donnée.jsonl"])
+    assert "Hydra cannot parse it (token recognition error at: 'é')" in str(err.value)
+    assert "quote the value inside the argument" in str(err.value)
+    check_override_syntax(["data.sources.local.path='/tmp/my données/x.jsonl'", "a=1,2"])
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["-cd", "{tmp}", "-cn", "myexp"], "myexp.yaml, line 3: YAML syntax error"),
+        (["hydra.run.dir={tmp}/myexp.yaml"], "that is a file; expected a directory"),
+        (["data.sources.local.path=/tmp/ça.jsonl"], "quote the value inside the argument"),
+    ],
+)
+def test_the_command_line_answers_in_one_line(tmp_path, args, expected):
+    (tmp_path / "myexp.yaml").write_text("defaults:\n  - config\n optim: 1\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = run_rlhf(args, check=False, timeout=120, extra_env=NO_TRACE)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and expected in line, line
+
+
+@pytest.mark.slow
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path, cache_dir):
+    proc = run_rlhf(
+        ["zero.stage=5", f"cache_dir={cache_dir}"],
+        run_dir=tmp_path / "run",
+        nproc=2,
+        check=False,
+        timeout=600,
+        extra_env={**NO_TRACE, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("zero.stage=5: expected one of 0, 1, 2, 3") == 1, proc.stderr
