@@ -1,0 +1,236 @@
+"""Rollouts on vLLM, colocated: one engine inside each training process (rank), built once per
+run with the actor's architecture and dummy weights, loaded with the actor's weights by
+:meth:`VLLMRollouts.push` after every update, and asked for the same answers the transformers
+path samples (temperature, top_p, top_k, max_new_tokens, the end-of-text stop, a seed per
+prompt), returned as a :class:`~rlhf.rl.generation.Rollout` with each answer token's log-prob
+under the distribution it was drawn from.
+
+Why one engine per rank: the ranks generate their own prompts as they do on the transformers
+path, nothing crosses ranks, and each engine is a plain function call away from its trainer
+(weights go in without a copy through another process). An engine on rank 0 alone hangs: vLLM
+adopts the trainer's process group and creates its groups with collective calls the other ranks
+never make; vLLM's data-parallel launcher mode makes the engines wait for each other's steps.
+
+vLLM is optional (scripts/install_vllm.sh): it is imported only when an engine is built."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.data.collate import left_pad
+from rlhf.rl.generation import Rollout, Sampling, response_mask
+
+log = logging.getLogger(__name__)
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+INSTALL_HINT = "install it with scripts/install_vllm.sh (a GPU machine: pip install vllm)"
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot be used here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed in this environment: {INSTALL_HINT}"
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is built with.
+
+    dtype: fp32 | bf16 | fp16, the actor's. max_model_len: prompt + answer tokens.
+    kv_cache_bytes: the KV cache's size (None: a share of GPU memory, gpu_memory_utilization).
+    enforce_eager: no CUDA graphs / compilation (always on CPU, where compiling takes minutes).
+    sleep: between rollouts free the KV cache and weights on the GPU (vLLM's sleep mode).
+    seed: the engine's own seed (requests carry theirs)."""
+
+    dtype: str
+    max_model_len: int
+    kv_cache_bytes: int | None = 1 << 30
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    sleep: bool = False
+    seed: int = 0
+
+
+def engine_environment() -> None:
+    """vLLM's settings that must be in place before it is imported: the engine core in this
+    process (otherwise it is a spawned process and a weight push is not a function call), and
+    its log at WARNING unless the user chose a level."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMRollouts:
+    """A colocated vLLM engine for one process's rollouts."""
+
+    def __init__(self, model_config, spec: EngineSpec):
+        """``model_config``: the actor's transformers config (its architecture; the weights
+        come with the first :meth:`push`)."""
+        problem = vllm_problem()
+        if problem:
+            raise RuntimeError(problem)
+        engine_environment()
+        from vllm import LLM
+
+        self.spec = spec
+        self.on_gpu = torch.cuda.is_available()
+        self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
+        model_config.save_pretrained(self._config_dir.name)
+        memory = (
+            {"kv_cache_memory_bytes": spec.kv_cache_bytes}
+            if spec.kv_cache_bytes is not None
+            else {"gpu_memory_utilization": spec.gpu_memory_utilization}
+        )
+        set_num_threads = torch.set_num_threads
+        started = time.perf_counter()
+        # the engine seeds torch's global RNG as it starts: the trainer's draws stay its own
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.on_gpu else []):
+            self.llm = LLM(
+                model=self._config_dir.name,
+                load_format="dummy",  # weights come from the trainer
+                skip_tokenizer_init=True,  # token ids in and out
+                generation_config="vllm",  # not the checkpoint's sampling defaults
+                logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p
+                dtype=VLLM_DTYPES[spec.dtype],
+                max_model_len=spec.max_model_len,
+                enforce_eager=spec.enforce_eager or not self.on_gpu,
+                enable_sleep_mode=spec.sleep and self.on_gpu,
+                seed=spec.seed,
+                **memory,
+            )
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide with a warning no-op
+        # (it binds threads in its own worker processes; in this process it bound none)
+        torch.set_num_threads = set_num_threads
+        self.asleep = False
+        log.info("vLLM engine started in %.1f s", time.perf_counter() - started)
+
+    # -- weights
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Load the trainer's weights (names as in the transformers model's state dict, every
+        entry: a tied lm_head is its own entry) into the running engine, then drop the prefix
+        cache, whose KV blocks the old weights computed. Returns the seconds it took."""
+        started = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True},
+        )
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    def sleep(self) -> None:
+        """Between rollouts on a GPU: give the weights and the KV cache's memory back to the
+        trainer until the next push (a no-op unless EngineSpec.sleep)."""
+        if self.spec.sleep and self.on_gpu and not self.asleep:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=2)  # weights are pushed again before the next rollout
+            self.asleep = True
+
+    # -- rollouts
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        pad_id: int,
+        end_id: int,
+        sampling: Sampling,
+        seeds: Sequence[int] | None = None,
+        group_size: int = 1,
+    ) -> Rollout:
+        """``group_size`` answers to each prompt (vLLM's n), in contiguous rows as the
+        transformers path lays them out, with each answer token's log-prob under the sampled
+        distribution (temperature, top-k, top-p applied; greedy: the raw distribution).
+        ``seeds``: one per prompt (its group's answers are one seeded stream), so the answers
+        do not depend on what else was generated before or beside them."""
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: push weights before generating")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        params = [
+            SamplingParams(**request_settings(sampling, end_id, group_size, seed))
+            for seed in (seeds if seeds is not None else [None] * len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        answers, logprobs = [], []
+        for output in outputs:  # in the order of the prompts
+            for completion in output.outputs:  # the group, in order
+                tokens = list(completion.token_ids)
+                answers.append(tokens)
+                logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, tokens)])
+        group_prompts = [p for p in prompts for _ in range(group_size)]
+        return as_rollout(group_prompts, answers, logprobs, pad_id, end_id, sampling.prompt_width)
+
+    def close(self) -> None:
+        """Tear down vLLM's process groups while the trainer's is still up. vLLM's own shutdown
+        (at garbage collection or exit) would destroy the trainer's default process group too,
+        or fail on groups destroyed with it."""
+        from vllm.distributed import parallel_state
+
+        client = self.llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:  # vLLM's view of the trainer's ranks
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+        self.llm = None
+        self._config_dir.cleanup()
+
+
+def request_settings(sampling: Sampling, end_id: int, n: int, seed: int | None) -> dict:
+    """SamplingParams' keywords for the transformers path's Sampling: greedy is temperature 0;
+    top_k 0 and top_p 1 are off in both; the answer stops at end-of-text (kept, as transformers
+    keeps it) unless stop_at_eos is off; the checkpoint's own EOS never stops it."""
+    return {
+        "n": n,
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "top_k": 0 if sampling.greedy else sampling.top_k,
+        "stop_token_ids": [end_id] if sampling.stop_at_eos else None,
+        "ignore_eos": True,
+        "logprobs": 0,  # the sampled token's own
+        "seed": seed,
+        "detokenize": False,
+    }
+
+
+def as_rollout(
+    prompts: Sequence[Sequence[int]],
+    answers: list[list[int]],
+    logprobs: list[list[float]],
+    pad_id: int,
+    end_id: int,
+    prompt_width: int | None,
+) -> Rollout:
+    """The transformers path's layout: (B, P) left-padded prompts then (B, R) answers padded
+    with ``pad_id`` after their end (R: the longest answer)."""
+    input_ids, prompt_mask = left_pad([list(p) for p in prompts], pad_id, prompt_width)
+    width = max(len(a) for a in answers)
+    response = torch.full((len(answers), width), pad_id, dtype=torch.long)
+    sampled = torch.zeros((len(answers), width))
+    for row, (tokens, values) in enumerate(zip(answers, logprobs, strict=True)):
+        response[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sampled[row, : len(values)] = torch.tensor(values)
+    mask = response_mask(response, end_id)
+    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+    ended = (response == end_id).any(dim=1)
+    sequences = torch.cat([input_ids, response], dim=1)
+    return Rollout(sequences, attention_mask, input_ids.shape[1], mask, sampled, ended)
