@@ -31,8 +31,8 @@ def engine(tiny_lm_dir):
     """One engine for the module (its weights: the last test's push)."""
     from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
 
-    config = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).config
-    rollouts = VLLMRollouts(config, EngineSpec("fp32", 512, 128 << 20))
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
+    rollouts = VLLMRollouts(model, EngineSpec("fp32", 512, 128 << 20))
     yield rollouts
     rollouts.close()
 

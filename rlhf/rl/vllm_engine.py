@@ -15,6 +15,7 @@ vLLM is optional (scripts/install_vllm.sh): it is imported only when an engine i
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -27,6 +28,7 @@ import torch
 
 from rlhf.data.collate import left_pad
 from rlhf.rl.generation import Rollout, Sampling, response_mask
+from rlhf.rl.weight_sync import hf_model
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,9 @@ def engine_environment() -> None:
 class VLLMRollouts:
     """A colocated vLLM engine for one process's rollouts."""
 
-    def __init__(self, model_config, spec: EngineSpec):
-        """``model_config``: the actor's transformers config (its architecture; the weights
-        come with the first :meth:`push`)."""
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec):
+        """``model``: the actor (a transformers model, or a DeepSpeed engine / PEFT wrapper
+        around one): the engine takes its architecture; the weights come with :meth:`push`."""
         problem = vllm_problem()
         if problem:
             raise RuntimeError(problem)
@@ -83,7 +85,9 @@ class VLLMRollouts:
         self.spec = spec
         self.on_gpu = torch.cuda.is_available()
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
-        model_config.save_pretrained(self._config_dir.name)
+        config = copy.deepcopy(hf_model(model).config)
+        config.architectures = [type(hf_model(model)).__name__]  # a built config names none
+        config.save_pretrained(self._config_dir.name)
         memory = (
             {"kv_cache_memory_bytes": spec.kv_cache_bytes}
             if spec.kv_cache_bytes is not None
@@ -95,6 +99,7 @@ class VLLMRollouts:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.on_gpu else []):
             self.llm = LLM(
                 model=self._config_dir.name,
+                runner="generate",
                 load_format="dummy",  # weights come from the trainer
                 skip_tokenizer_init=True,  # token ids in and out
                 generation_config="vllm",  # not the checkpoint's sampling defaults

@@ -7,6 +7,8 @@ Every measurement is a real ``python -m rlhf`` run (torchrun for several ranks) 
 (fast, baseline, TRL, fast, baseline, TRL, ...) and the bench reports medians, so a noisy machine
 moves every column alike. Model FLOP/s are compared with the machine's matmul peak, which the
 bench measures itself (best of large fp32 GEMMs). See docs/performance.md.
+``python -m rlhf.bench rollout`` compares rollouts on vLLM with the transformers path instead
+(rlhf/tools/rollout_bench.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from rlhf.tools import rollout_bench
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/tools/bench.py -> ..
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -892,6 +896,8 @@ def main(argv: list[str] | None = None) -> dict:
     if argv[:1] == ["_trl"]:
         trl_worker(argv[1])
         return {}
+    if argv[:1] == ["rollout"]:  # vLLM against the transformers path (rollout_bench.py)
+        return rollout_bench.main(argv[1:])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see run_env)
     args = parse_args(argv)
