@@ -90,9 +90,9 @@ def main(argv: list[str]) -> dict:
 def format_row(r: dict) -> str:
     return (
         f"{r['model']:>9} {r['dtype']}: sampled {r['vllm_sampled']:.0f} vs hf "
-        f"{r['hf_sampled']:.0f} answer tok/s ({r['vllm_sampled'] / r['hf_sampled']:.2f}x), "
+        f"{r['hf_sampled']:.0f} answer tok/s ({r['ratio_sampled']:.2f}x), "
         f"greedy {r['vllm_greedy']:.0f} vs {r['hf_greedy']:.0f} "
-        f"({r['vllm_greedy'] / r['hf_greedy']:.2f}x); push {r['sync_s']:.3f} s; log-prob gap "
+        f"({r['ratio_greedy']:.2f}x); push {r['sync_s']:.3f} s; log-prob gap "
         f"mean {r['gap_mean']:.1e} max {r['gap_max']:.1e} (fp32 trainer: mean "
         f"{r['gap_fp32_mean']:.1e} max {r['gap_fp32_max']:.1e})"
     )
@@ -136,18 +136,7 @@ def worker(spec: dict) -> dict:
         "greedy": Sampling(max_new_tokens=answer, greedy=True, stop_at_eos=False),
     }
 
-    def rate(run) -> float:
-        run()  # warm-up
-        times = []
-        for _ in range(spec["repeats"]):
-            started = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - started)
-        return len(prompts) * answer / statistics.median(times)
-
     out = {"model": spec["model"], "dtype": spec["dtype"], "threads": torch.get_num_threads()}
-    for name, sampling in decodings.items():
-        out[f"hf_{name}"] = rate(lambda s=sampling: generate(model, prompts, pad, eot, s, False))
     engine = VLLMRollouts(
         model,
         EngineSpec(
@@ -159,14 +148,34 @@ def worker(spec: dict) -> dict:
     out["sync_s"] = statistics.median(engine.push(hf_weights(model, 0)) for _ in range(3))
     seeds = list(range(len(prompts)))
     for name, sampling in decodings.items():
-        out[f"vllm_{name}"] = rate(
-            lambda s=sampling: engine.generate(prompts, pad, eot, s, seeds=seeds)
-        )
+        runs = {
+            "hf": lambda s=sampling: generate(model, prompts, pad, eot, s, False),
+            "vllm": lambda s=sampling: engine.generate(prompts, pad, eot, s, seeds=seeds),
+        }
+        rates = interleaved(runs, spec["repeats"], len(prompts) * answer)
+        for engine_name, values in rates.items():
+            out[f"{engine_name}_{name}"] = statistics.median(values)
+        ratios = [v / h for v, h in zip(rates["vllm"], rates["hf"])]
+        out[f"ratio_{name}"] = statistics.median(ratios)
     rollout = engine.generate(prompts, pad, eot, decodings["sampled"], seeds=seeds)
     for key, trainer in (("gap", model), ("gap_fp32", fp32_model)):
         out[f"{key}_mean"], out[f"{key}_max"] = logprob_gap(trainer, rollout)
     engine.close()
     return out
+
+
+def interleaved(runs: dict, repeats: int, tokens: int) -> dict[str, list[float]]:
+    """Answer tokens/s of each run, ``repeats`` times after a warm-up, the runs alternating so a
+    busy machine slows them alike."""
+    for run in runs.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            rates[name].append(tokens / (time.perf_counter() - started))
+    return rates
 
 
 def logprob_gap(model, rollout) -> tuple[float, float]:
