@@ -109,6 +109,7 @@ class VLLMRollouts:
                 enforce_eager=spec.enforce_eager or not self.on_gpu,
                 enable_sleep_mode=spec.sleep and self.on_gpu,
                 seed=spec.seed,
+                distributed_executor_backend=rank_local_executor(),
                 **memory,
             )
         # vLLM's CPU worker replaces torch.set_num_threads process-wide with a warning no-op
@@ -197,6 +198,20 @@ class VLLMRollouts:
             parallel_state._WORLD = None
         self.llm = None
         self._config_dir.cleanup()
+
+
+def rank_local_executor():
+    """vLLM's in-process executor on this rank's own device: the stock one derives the device
+    index from the device type alone ("cuda": index 0), so every rank's engine would land on
+    the first GPU. torchrun and the DeepSpeed launcher set LOCAL_RANK."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class RankLocalExecutor(UniProcExecutor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init_method, rank, _ = super()._distributed_args()
+            return init_method, rank, int(os.environ.get("LOCAL_RANK", "0"))
+
+    return RankLocalExecutor
 
 
 def request_settings(sampling: Sampling, end_id: int, n: int, seed: int | None) -> dict:
