@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.tools.chat import Chat, cut_at_stop, turn
@@ -122,3 +122,24 @@ def test_missing_model_is_an_error(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "not a save_pretrained model directory" in proc.stderr
+
+
+def test_a_reward_model_is_refused(tmp_path):
+    """A reward export is a sequence classifier: chat (like PPO) refuses it instead of
+    decoding through a causal-LM head it does not have."""
+    causal = _save_tiny(tmp_path / "causal")
+    reward = OPTForSequenceClassification.from_pretrained(causal, num_labels=1)
+    reward.save_pretrained(tmp_path / "reward")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.chat", "--path", str(tmp_path / "reward")],
+        input="What is 3 + 4?\n",
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert (
+        "a reward model (OPTForSequenceClassification in its config.json), not a causal LM" in line
+    )

@@ -13,6 +13,7 @@ of it is the next prompt (its start is dropped when it no longer fits). Answers 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -105,8 +106,8 @@ def cut_at_stop(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not (Path(args.path) / "config.json").is_file():
-        print(f"error: {args.path}: not a save_pretrained model directory", file=sys.stderr)
+    if problem := model_problem(Path(args.path)):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     sampling = {"do_sample": args.sample}
     if args.sample:
@@ -129,6 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         if question:
             print(f"Assistant: {chat.reply(question)}", flush=True)
     return 0
+
+
+def model_problem(path: Path) -> str | None:
+    """Why ``path`` is no model to talk to: no save_pretrained directory, or a reward model
+    (a sequence classifier scores an answer; it writes none: PPO refuses it as an actor too)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{path}: not a save_pretrained model directory"
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    heads = [a for a in architectures if a.endswith("ForSequenceClassification")]
+    if heads:
+        return (
+            f"{path}: a reward model ({heads[0]} in its config.json), not a causal LM; chat "
+            "with an actor or an SFT export (RUN/ppo/actor, RUN/sft/model, RUN/dpo/model)"
+        )
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
