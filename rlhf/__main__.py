@@ -181,7 +181,7 @@ def run_step(
         if steps is not None:
             summary = pipeline.run(steps, info, shared)
         else:
-            summary = pipeline.RECIPES[config.step.name](config, info)
+            summary = pipeline.run_one(config.step.name, config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
     except TrainingStopped as stopped:

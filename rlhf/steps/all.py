@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.checkpoint import flat, resumable
 from rlhf.config import NOT_READ_BY, Config
 from rlhf.dist import is_main
-from rlhf.steps import dpo, ppo, reward, sft
+from rlhf.steps import dpo, ppo, report, reward, sft
 from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain
 
@@ -134,24 +134,46 @@ def run(
         log.info("step=all: ppo.reward_function is set, so no reward model is trained (sft -> ppo)")
     group = info.group or info.run_dir.name
     summary: dict[str, float] = {}
+    step_dirs, summaries, skipped = {}, {}, set()
     for step, (config, resolved) in steps.items():
-        step_dir = (shared or {}).get(step, info.run_dir / step)
+        step_dir = step_dirs[step] = (shared or {}).get(step, info.run_dir / step)
         if step_dir != info.run_dir / step:
             _link(info.run_dir / step, step_dir)
         if is_complete(step_dir, step):
             log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
             result = json.loads((step_dir / "summary.json").read_text())
+            skipped.add(step)
         else:
             log.info("step=all: running %s in %s", step, step_dir)
             step_info = RunInfo(step_dir, f"{info.run_name}/{step}", group, resolved)
-            result = RECIPES[step](config, step_info)
+            result = run_one(step, config, step_info, in_pipeline=True)
+        summaries[step] = _written_summary(step_dir) or result
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
         info.run_dir.mkdir(parents=True, exist_ok=True)
         plain_summary = {key: plain(value) for key, value in summary.items()}
         text = json.dumps(plain_summary, indent=2, sort_keys=True)
         (info.run_dir / "summary.json").write_text(text)
+        wall = report.since_start()  # start-up included: what the user waited
+        links = {step: info.run_dir / step for step in step_dirs}  # shared steps: their links
+        ended = report.pipeline_report(info.run_dir, links, summaries, wall, skipped)
+        report.write(info.run_dir, ended)
     return summary
+
+
+def run_one(step: str, config: Config, info: RunInfo, in_pipeline: bool = False) -> dict:
+    """Run one step's recipe in info.run_dir, then print its report (rank 0)."""
+    result = RECIPES[step](config, info)
+    if is_main():
+        summary = _written_summary(info.run_dir) or result
+        report.write(info.run_dir, report.step_report(step, info.run_dir, summary, in_pipeline))
+    return result
+
+
+def _written_summary(step_dir: Path) -> dict | None:
+    """The step's summary.json (with the initial/... values the recipe's return leaves out)."""
+    path = step_dir / "summary.json"
+    return json.loads(path.read_text()) if is_main() and path.exists() else None
 
 
 def _link(link: Path, step_dir: Path) -> None:

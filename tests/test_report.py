@@ -1,0 +1,148 @@
+"""The report a run ends with: each step's headline metrics before -> after, its alarms, wall time,
+exports and next commands, and step=all's report of the whole pipeline. The rules on summaries
+in-process; the real thing on a short step=all (slow)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.steps import report
+from tests.conftest import FAST, REPO, cache_overrides, read_summary, run_rlhf
+
+PPO_SUMMARY = {
+    "initial/eval/gold_accuracy": 0.02,
+    "eval/gold_accuracy": 0.83,
+    "initial/eval/gold_accuracy_sampled": 0.11,
+    "eval/gold_accuracy_sampled": 0.75,
+    "initial/eval/gold_correct": 0.84,
+    "eval/gold_correct": 0.83,
+    "initial/eval/kl": 0.0,
+    "eval/kl": 1.94,
+    "eval/hacking_warnings": 0,
+    "ppo/skipped_updates": 0,
+    "ppo/unterminated": 0.01,
+    "perf/eval_share": 0.12,
+    "perf/wall_s": 89.4,
+}
+
+
+def _export(path):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_headlines_are_before_after_and_change():
+    rows = dict(report.headline_rows("ppo", PPO_SUMMARY))
+    assert rows["gold accuracy, greedy"] == "0.02 -> 0.83 (+0.81)"
+    assert rows["right value, greedy"] == "0.84 -> 0.83 (-0.01)"
+    assert rows["KL to the reference, nats an answer"] == "0 -> 1.94 (+1.94)"
+    assert "clean form, greedy" not in rows  # not in this summary: not shown
+    sft = dict(report.headline_rows("sft", {"eval/ppl": 1.15}))
+    assert sft == {"held-out perplexity": "1.15"}  # no initial value: the final alone
+
+
+@pytest.mark.parametrize(
+    "step, changed, expected",
+    [
+        ("ppo", {"eval/hacking_warnings": 3}, "possible reward hacking, 3 time(s)"),
+        ("ppo", {"ppo/skipped_updates": 2}, "2 update(s) skipped for a non-finite loss"),
+        ("ppo", {"ppo/unterminated": 0.75}, "75% of the last rollout's answers were cut"),
+        ("ppo", {"eval/gold_correct": 0.7}, "eval/gold_correct moved the wrong way: 0.84 -> 0.7"),
+        ("ppo", {"perf/eval_share": 0.45}, "evaluation took 45% of this step's wall time"),
+        ("sft", {"initial/eval/ppl": 3.0, "eval/ppl": 4.0}, "eval/ppl moved the wrong way"),
+        ("reward", {"eval/accuracy": 0.52}, "ranks held-out pairs near chance (0.52)"),
+    ],
+)
+def test_each_alarm_fires_on_its_cause_alone(step, changed, expected):
+    assert report.alarms(step, PPO_SUMMARY if step == "ppo" else {}) == []
+    [alarm] = report.alarms(step, {**(PPO_SUMMARY if step == "ppo" else {}), **changed})
+    assert expected in alarm, alarm
+
+
+def test_a_step_report_lists_exports_and_the_next_commands(tmp_path):
+    actor, critic = _export(tmp_path / "actor"), _export(tmp_path / "critic")
+    (tmp_path / "checkpoints").mkdir()
+    text = report.step_report("ppo", tmp_path, PPO_SUMMARY, in_pipeline=False)
+    lines = text.splitlines()
+    assert lines[0].startswith("rlhf: step=ppo finished in ")
+    assert lines[0].endswith(f" (1 min 29 s in the step itself): {tmp_path}")
+    assert f"  exports: {actor}, {critic}" in lines
+    assert "  alarms: none" in lines
+    assert any(f"python -m rlhf.chat --path {actor}" in ln for ln in lines)
+    assert any(f"python -m rlhf.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
+    inside = report.step_report("ppo", tmp_path, PPO_SUMMARY, in_pipeline=True)
+    assert inside.startswith(f"rlhf: step=ppo finished in 1 min 29 s: {tmp_path}")
+    assert "next:" not in inside  # step=all runs the next step itself
+
+
+def test_the_pipeline_report_covers_every_step(tmp_path):
+    sft = _export(tmp_path / "sft" / "model").parent
+    reward = _export(tmp_path / "reward" / "model").parent
+    ppo = _export(tmp_path / "ppo" / "actor").parent
+    summaries = {
+        "sft": {"initial/eval/ppl": 9.0, "eval/ppl": 1.15, "perf/wall_s": 61},
+        "reward": {"initial/eval/accuracy": 0.5, "eval/accuracy": 0.52, "perf/wall_s": 116},
+        "ppo": PPO_SUMMARY,
+    }
+    dirs = {"sft": sft, "reward": reward, "ppo": ppo}
+    text = report.pipeline_report(tmp_path, dirs, summaries, 275.0, skipped={"sft"})
+    lines = text.splitlines()
+    assert lines[0] == f"rlhf: step=all (sft -> reward -> ppo) finished in 4 min 35 s: {tmp_path}"
+    assert "  sft (done earlier)" in lines and "  reward (1 min 56 s)" in lines
+    assert any("held-out perplexity" in ln and "9 -> 1.15 (-7.85)" in ln for ln in lines)
+    assert "    ! reward: the reward model ranks held-out pairs near chance (0.52)" in lines
+    assert f"  exports: {sft / 'model'}, {reward / 'model'}, {ppo / 'actor'}" in lines
+    assert any(f"python -m rlhf.chat --path {ppo / 'actor'}" in ln for ln in lines)
+    assert any(f"python -m rlhf.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
+
+
+@pytest.mark.slow
+def test_a_short_step_all_ends_with_its_report(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    overrides = [
+        "step=all",
+        *FAST,
+        "reward.gold_eval_prompts=8",
+        "ppo.per_device_generation_batch_size=8",
+        "ppo.per_device_training_batch_size=8",
+        "ppo.max_new_tokens=16",
+        "ppo.eval_prompts=8",
+        "step.max_steps=2",
+        *cache_overrides(cache_dir),
+    ]
+    proc = run_rlhf(overrides, run_dir=run_dir, extra_env={"OMP_NUM_THREADS": "1"})
+    out = proc.stdout
+    for step in ("sft", "reward", "ppo"):  # each step's own report, as it ends
+        assert f"rlhf: step={step} finished in" in out
+        assert (run_dir / step / "report.txt").read_text().startswith(f"rlhf: step={step}")
+    ended = (run_dir / "report.txt").read_text()
+    assert out.rstrip().endswith(ended.rstrip())  # the last thing the run prints
+    lines = ended.splitlines()
+    assert lines[0].startswith("rlhf: step=all (sft -> reward -> ppo) finished in")
+    ppo = read_summary(run_dir / "ppo")
+    before, after = ppo["initial/eval/gold_accuracy"], ppo["eval/gold_accuracy"]
+    assert any(
+        "gold accuracy, greedy" in ln and f"{report._show(before)} -> {report._show(after)}" in ln
+        for ln in lines
+    )
+    accuracy = read_summary(run_dir / "reward")["eval/accuracy"]
+    assert any("held-out pairs ranked right" in ln and report._show(accuracy) in ln for ln in lines)
+    assert any(ln.startswith("  alarms") for ln in lines)
+    exports = [run_dir / "sft" / "model", run_dir / "reward" / "model", run_dir / "ppo" / "actor"]
+    assert all(str(p) in ended for p in exports)
+    # the next command printed runs: chat with the trained actor
+    [chat] = [ln.split("#")[0].split() for ln in lines if "rlhf.chat" in ln]
+    assert chat[:3] == ["python", "-m", "rlhf.chat"] and chat[-1] == str(exports[-1])
+    proc = subprocess.run(
+        [sys.executable, *chat[1:], "--max-new-tokens", "4"],
+        input="What is 2 + 3?\nquit\n",
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("Assistant:"), proc.stderr
