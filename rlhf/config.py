@@ -150,7 +150,9 @@ class SourceConfig:
     path: str | None = None  # hub id (adapter's default if null) or local file / save_to_disk dir
     subset: str | None = None  # the hub dataset's config name
     train_split: str = "train"
-    eval_split: str | None = "test"  # null: carve the eval rows out of train_split
+    # null: a local copy's one split besides train_split (data/test-*.parquet), else the eval
+    # rows are carved out of train_split
+    eval_split: str | None = "test"
     # a separate local file (or directory) whose rows are the eval rows; eval_split then null
     eval_path: str | None = None
     eval_fraction: float = 0.1  # share of train_split used for eval when eval_split is null

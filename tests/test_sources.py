@@ -399,7 +399,7 @@ def test_hub_ids_go_through_load_dataset(monkeypatch, adapter, overrides, split,
         ({"adapter": "local"}, "path"),
         ({"adapter": "local", "path": "/no/such/file.jsonl"}, "path"),
         ({"adapter": "shp", "path": "tests/assets/raw/no-such.jsonl"}, "path"),
-        ({"adapter": "local", "path": "CSV"}, "path"),
+        ({"adapter": "local", "path": "TXT"}, "path"),
         ({"adapter": "local", "path": "PLAIN_DIR"}, "path"),
         ({"adapter": "local", "path": "RAW", "subset": "x", "eval_split": None}, "subset"),
         (
@@ -430,10 +430,10 @@ def test_hub_ids_go_through_load_dataset(monkeypatch, adapter, overrides, split,
     ],
 )
 def test_source_problems_name_each_bad_value(tmp_path, fields, key):
-    (tmp_path / "data.csv").write_text("prompt,chosen,rejected\n")
+    (tmp_path / "data.txt").write_text("prompt,chosen,rejected\n")
     (tmp_path / "plain").mkdir()
     stand_ins = {
-        "CSV": str(tmp_path / "data.csv"),
+        "TXT": str(tmp_path / "data.txt"),
         "PLAIN_DIR": str(tmp_path / "plain"),
         "RAW": str(RAW / "rm-static.jsonl"),
     }

@@ -1,12 +1,13 @@
 """Local copies of datasets, read with ``datasets`` as they were downloaded or saved.
 
-- A file (.jsonl, .json, .parquet, or .jsonl.gz / .json.gz) is one table.
+- A file (.jsonl, .json, .parquet, .csv, .arrow, or .jsonl.gz / .json.gz) is one table.
 - A ``save_to_disk`` directory is one table (``state.json``: a saved Dataset) or has named splits
   (``dataset_dict.json``: a saved DatasetDict).
 - Any other directory is read as the hub reads a dataset repository: ``datasets`` finds its data
   files and names their splits from the file names (``data/train-00000-of-00001.parquet``,
   ``data/test-*.parquet``, ``train.jsonl``, ``test.jsonl.gz``, ...). Files that name no split
-  are its ``train`` split.
+  are its ``train`` split. One rule for both: a directory's data files must be of the formats a
+  lone file may be (a directory of train.csv reads as a lone .csv does; .txt or .tsv neither).
 
 Nothing is written into a user's directory: ``datasets`` keeps its Arrow copy of data files in
 its own cache, and the tables of a saved dataset (whose Arrow files are the user's own) are
@@ -32,13 +33,19 @@ from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patte
 
 from rlhf.config import ConfigError
 
-SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet", ".csv", ".arrow")
 ACCEPTED = (
-    "an existing .jsonl/.json/.parquet file (or .jsonl.gz/.json.gz), a directory of such files "
-    "per split as the hub lays them out (data/train-*.parquet, test.jsonl, ...) or a "
+    "an existing .jsonl/.json/.parquet/.csv/.arrow file (or .jsonl.gz/.json.gz), a directory of "
+    "such files per split as the hub lays them out (data/train-*.parquet, test.jsonl, ...) or a "
     "save_to_disk directory"
 )
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 _SAVED_TABLE, _SAVED_SPLITS = "state.json", "dataset_dict.json"
 _JSON_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json")
 
@@ -64,11 +71,28 @@ def _data_files(path: str) -> dict[str, list[str]] | None:
 
 
 def is_usable(path: str) -> bool:
-    """A file with a data suffix, a save_to_disk directory or a directory of data files."""
+    """A file with a data suffix, a save_to_disk directory or a directory of data files of
+    those suffixes."""
     path = os.path.expanduser(path)
     if os.path.isdir(path):
-        return _is_saved(path) or _data_files(os.path.abspath(path)) is not None
+        if _is_saved(path):
+            return True
+        found = _data_files(os.path.abspath(path))
+        return found is not None and not unreadable_files(found)
     return os.path.isfile(path) and suffix(path) in SUFFIXES
+
+
+def unreadable_files(found: dict[str, list[str]]) -> list[str]:
+    """The data files (of ``_data_files``' answer) whose format a lone file could not have."""
+    return [f for files in found.values() for f in files if suffix(f) not in SUFFIXES]
+
+
+def unusable_note(path: str) -> str:
+    """What makes a directory unusable, for the message (``""`` when nothing is to be said)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    found = _data_files(full) if os.path.isdir(full) and not _is_saved(full) else None
+    bad = unreadable_files(found or {})
+    return f" ({os.path.relpath(bad[0], full)} is not one of these formats)" if bad else ""
 
 
 def _is_saved(path: str) -> bool:

@@ -26,7 +26,9 @@ Where the rows come from:
   file (``.jsonl.gz`` / ``.json.gz`` too) or a saved ``Dataset`` is one table; a directory as downloaded
   from the hub (``data/train-*.parquet``, ``test.jsonl`` ...) or a saved ``DatasetDict`` has named splits.
 - Eval rows: the ``eval_split`` of a source that has splits; ``eval_path``, a separate local copy (all
-  its rows); or, with ``eval_split: null``, carved out of the train split by
+  its rows); with ``eval_split: null`` (data=local's default), a local copy's one split besides
+  ``train_split`` (its ``data/test-*.parquet``, a saved DatasetDict's ``test``: several are refused,
+  to be named); or, with ``eval_split: null`` and no such split, carved out of the train split by
   :func:`rlhf.data.split.train_eval_indices` with ``eval_fraction`` and the data seed (webgpt and
   synthetic-instruct have only train). The carve happens before the ``num_rows`` cap, so the eval rows
   do not change with the cap, and the log says the eval rows were carved. An ``eval_split`` that would be
@@ -375,6 +377,10 @@ def _local_split_problems(source: Any) -> list[tuple[str, Any, str]]:
     out = []
     if source.train_split not in named:
         out.append(("train_split", source.train_split, f"one of {', '.join(named)}"))
+    others = [s for s in named if s != source.train_split]
+    if source.eval_split is None and not source.eval_path and len(others) > 1:
+        why = f"{source.path} has several splits besides {source.train_split}: name the eval one"
+        out.append(("eval_split", None, f"one of {', '.join(others)} ({why})"))
     if source.eval_split is not None and source.eval_split not in named and not source.eval_path:
         has = f"{source.path} has {', '.join(named)}; null carves eval rows out of train"
         out.append(("eval_split", source.eval_split, f"one of its splits or null ({has})"))
@@ -407,7 +413,7 @@ def _path_problems(source: Any, adapter: Adapter) -> list[tuple[str, Any, str]]:
         return [("path", None, PATH_ACCEPTED)]
     if path is not None and reads_local(source):
         if not local.is_usable(path):
-            return [("path", path, PATH_ACCEPTED)]
+            return [("path", path, PATH_ACCEPTED + local.unusable_note(path))]
         out = _local_split_problems(source)
         if source.subset is not None:
             out.append(("subset", source.subset, "null (subset names a hub dataset's config)"))
@@ -559,7 +565,19 @@ def eval_origin(source: Any) -> str:
             f"carved out of its {source.train_split} split: it has no eval split "
             f"(eval_fraction={source.eval_fraction})"
         )
+    if source.eval_split is None:
+        return f"its {own_eval_split(source)} split (eval_split null: its one other split)"
     return f"its {source.eval_split} split"
+
+
+def own_eval_split(source: Any) -> str | None:
+    """With eval_split null, a local copy's one split besides train_split (a hub layout's
+    data/test-*.parquet, a saved DatasetDict's test): its eval rows. None: nothing to read
+    (a hub source, one table, only train_split, or several others, which validation refuses)."""
+    if source.eval_split is not None or source.eval_path is not None or not reads_local(source):
+        return None
+    others = [s for s in local.splits(source.path) or () if s != source.train_split]
+    return others[0] if len(others) == 1 else None
 
 
 def carves(source: Any) -> bool:
@@ -567,14 +585,15 @@ def carves(source: Any) -> bool:
     if source.eval_path is not None:
         return False
     if source.eval_split is None:
-        return True
+        return own_eval_split(source) is None
     return reads_local(source) and local.splits(source.path) is None
 
 
 def _raw_split(source: Any, split: str, seed: int, key: str) -> datasets.Dataset:
     """The raw rows of ``split`` ("train" | "eval"): loaded, carved, capped."""
     carve = carves(source)
-    name = source.train_split if split == "train" or carve else source.eval_split
+    eval_name = source.eval_split or own_eval_split(source)
+    name = source.train_split if split == "train" or carve else eval_name
     if split == "eval" and source.eval_path is not None:
         data = _one_table(local.open_copy(source.eval_path, f"source {describe(source)}"))
     elif source.adapter in GENERATED:
@@ -727,9 +746,10 @@ def load_source(source: Any, split: str, seed: int, name: str | None = None) -> 
     if len(raw) == 0 and not raw.column_names:  # an empty file: no rows, no columns
         empty = datasets.Dataset.from_dict({c: [] for c in PAIR_COLUMNS}, _features(PAIR_COLUMNS))
         return Loaded(empty, 0)
+    unused_labels = _unused_label_columns(source, raw.column_names)
     raw, notes = _schema_columns(source, raw)
     pairs = _map(source, raw)
-    return Loaded(pairs, len(raw), notes, _escaped_newlines(pairs))
+    return Loaded(pairs, len(raw), notes, unused_labels + _escaped_newlines(pairs))
 
 
 def _map(source: Any, raw: datasets.Dataset) -> datasets.Dataset:
@@ -759,6 +779,35 @@ def _map(source: Any, raw: datasets.Dataset) -> datasets.Dataset:
         )
     except UnicodeDecodeError as err:  # a parquet file or saved dataset (files are checked first)
         raise SourceError(f"source {describe(source)}: a row is not valid UTF-8 ({err})") from None
+
+
+# columns that usually say which of two answers is preferred (SHP's labels, webgpt's scores)
+LABEL_COLUMN = re.compile(
+    r"(labels?|preferen(ce|ces|tial)|preferred|choice|winner|better|(score|rating)s?_?[ab01])",
+    re.IGNORECASE,
+)
+
+
+def _unused_label_columns(source: Any, present: Sequence[str]) -> list[str]:
+    """A warning when a local file has a column that looks like a preference label (or score)
+    and the mapping reads chosen / rejected as they stand: where the label says the other
+    answer wins (SHP's labels = 0), such a pair trains the wrong way round."""
+    if source.adapter != "local":
+        return []
+    plan = _column_plan(mapped_columns(source), present)
+    if "answer_a" in plan:
+        return []
+    unused = [c for c in present if LABEL_COLUMN.fullmatch(c) and c not in plan.values()]
+    if not unused:
+        return []
+    chosen, rejected = plan.get("chosen", "chosen"), plan.get("rejected", "rejected")
+    return [
+        f"column(s) {', '.join(map(repr, unused))} look like a preference label, and the mapping "
+        f"does not read them: every row's {chosen!r} is taken as preferred over {rejected!r}. "
+        f"If a label says which answer wins (SHP's labels: 1 = A, 0 = B), map the answers and the "
+        f"label: '++data.sources.<name>.columns={{prompt: {plan['prompt']}, answer_a: {chosen}, "
+        f"answer_b: {rejected}, label: {unused[0]}}}' (or score_a / score_b)"
+    ]
 
 
 def _escaped_newlines(pairs: datasets.Dataset) -> list[str]:
