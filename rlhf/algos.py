@@ -24,6 +24,10 @@ Dim = int | tuple[int, ...] | None
 # log-ratios are clamped to +-this before exp (as verl does): e^20 is already far past any clip,
 # and a larger one would overflow to inf in half precision (and in fp32 past ~88)
 MAX_LOG_RATIO = 20.0
+# k3 itself is capped at +-this (verl's low_var_kl, OpenRLHF's k3): past 13.6 times the policy's
+# probability under the reference, k3 exceeds 10 and grows with the ratio, so a single token's KL
+# term could swamp a batch
+K3_CAP = 10.0
 
 
 def _clean(x: Tensor, mask: Tensor) -> Tensor:
@@ -59,19 +63,30 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
+WHITEN_EPS = 1e-8  # inside the square root, as verl, OpenRLHF and TRL put it
+
+
 def masked_whiten(
     x: Tensor, mask: Tensor, shift_mean: bool = True, moments: tuple[Any, Any] | None = None
 ) -> Tensor:
-    """(x - mean) / (std + 1e-8) over the masked positions; 0 on masked-out positions.
+    """(x - mean) / sqrt(var + 1e-8) over the masked positions; 0 on masked-out positions.
 
-    moments: the (mean, var) to normalise by, e.g. of every rank's tokens; default: x's masked mean and
-    unbiased variance. shift_mean=False adds the mean back: only the scale is normalised.
+    moments: the (mean, var) to normalise by, e.g. of every rank's tokens (:func:`whiten_moments`);
+    default: x's masked mean and unbiased variance (n - 1, as verl, TRL and torch.var divide).
+    shift_mean=False adds the mean back: only the scale is normalised.
     """
     mean, var = moments if moments is not None else (masked_mean(x, mask), masked_var(x, mask))
-    whitened = (x - mean) / (var**0.5 + 1e-8)
+    whitened = (x - mean) / (var + WHITEN_EPS) ** 0.5
     if not shift_mean:
         whitened = whitened + mean
     return _clean(whitened, mask)
+
+
+def whiten_moments(total: float, count: float, squared_deviations: float) -> tuple[float, float]:
+    """(mean, unbiased variance) from sums gathered in two passes (``total``, ``count``, then the
+    squared deviations from ``total / count``), e.g. over every rank's tokens in float64: the
+    one-pass E[x^2] - mean^2 cancels to nothing when the mean dwarfs the spread."""
+    return total / max(count, 1.0), squared_deviations / max(count - 1.0, 1.0)
 
 
 def last_true_index(mask: Tensor) -> Tensor:
@@ -164,7 +179,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     logprobs, ref_logprobs: (B, T) log-probs of the sampled tokens under policy and reference.
     estimator: "k1" = logp - ref (unbiased, can be < 0); "k2" = 0.5 * (logp - ref)^2;
     "k3" = exp(ref - logp) - 1 - (ref - logp) (unbiased, >= 0; the log-ratio clamped to
-    +-MAX_LOG_RATIO first). Returns (B, T); no masking.
+    +-MAX_LOG_RATIO first and the estimate to +-K3_CAP, verl's and OpenRLHF's bounds).
+    Returns (B, T); no masking.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
@@ -173,7 +189,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
         return 0.5 * log_ratio**2
     if estimator == "k3":
         log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        return torch.expm1(-log_ratio) + log_ratio
+        return (torch.expm1(-log_ratio) + log_ratio).clamp(-K3_CAP, K3_CAP)
     raise ValueError(
         f"unknown kl estimator {estimator!r}; accepted: {', '.join(SAMPLE_KL_ESTIMATORS)} "
         "('full' needs the logits: full_kl)"
@@ -222,10 +238,15 @@ def compute_rewards(
     kl = _clean(token_kl, mask)
     if clip_reward_value is not None:
         scores = scores.clamp(-clip_reward_value, clip_reward_value)
-    idx = torch.arange(mask.shape[-1], device=mask.device)
-    is_last = idx == last_true_index(mask).unsqueeze(-1)  # (B, T), all False for an empty row
-    end_reward = torch.where(is_last, scores.unsqueeze(-1).to(kl.dtype), 0.0)
-    return -kl_coef * kl + end_reward, kl
+    return -kl_coef * kl + at_last_token(scores.to(kl.dtype), mask), kl
+
+
+def at_last_token(values: Tensor, response_mask: Tensor) -> Tensor:
+    """(B,) values -> (B, T): each row's value at its last real token, 0 elsewhere (and on every
+    position of a row with no real token)."""
+    idx = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    is_last = idx == last_true_index(response_mask).unsqueeze(-1)
+    return torch.where(is_last, values.unsqueeze(-1), torch.zeros((), dtype=values.dtype))
 
 
 def gae(
@@ -253,42 +274,47 @@ def gae(
     return advantages, _clean(advantages + values, mask)
 
 
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
+def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """(B, T) log pi / pi_old per real token (0 where masked), clamped to +-MAX_LOG_RATIO: a
+    token that far off gets no gradient, and exp of it stays finite."""
+    mask = response_mask.bool()
+    return (_clean(logprobs, mask) - _clean(old_logprobs, mask)).clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO
+    )
+
+
+def approx_kl(log_ratio: Tensor, response_mask: Tensor) -> Tensor:
+    """Mean over real tokens of k3 = (r - 1) - log r: KL(old || new), unbiased and >= 0; how far
+    an update moved the policy (ppo.target_kl reads it). log_ratio: (B, T). Scalar, detached."""
+    return masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask).detach()
+
+
+def clipped_surrogate(
+    log_ratio: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    clip_range: float,
+    clip_low: float,
+    clip_high: float,
     dual_clip: float | None = None,
-    clip_high: float | None = None,
-    aggregation: str = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate: max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high)) per real token,
-    aggregated over the batch by :func:`aggregate_loss` (default: the mean over real tokens).
+    """PPO's clipped surrogate per real token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
+    r = exp(log_ratio). log_ratio, advantages, response_mask: (B, T).
 
-    logprobs: (B, T) current policy; old_logprobs, advantages: (B, T) from the rollout; response_mask: (B, T).
-    clip_range: eps. clip_high: eps_high (DAPO's clip-higher; None: eps, the symmetric clip).
     dual_clip: c > 1 (Ye et al. 2020): for A < 0 the token loss is at most c * |A|.
-    The log-ratio is clamped to +-MAX_LOG_RATIO before exp (a token that far off gets no gradient).
-    Stats: approx_kl = mean of k3 = (r - 1) - log r (KL(old || new), unbiased, >= 0); clipfrac = fraction of
-    real tokens where the eps clip was active; ratio_max, ratio_mean (0 with no real token); with dual_clip,
+    Returns token losses (B, T), 0 where masked, and stats: clipfrac (share of real tokens where
+    the clip was active), ratio_max, ratio_mean (0 with no real token), with dual_clip
     dual_clipfrac.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = response_mask.bool()
     adv = _clean(advantages, mask)
-    log_ratio = (_clean(logprobs, mask) - _clean(old_logprobs, mask)).clamp(
-        -MAX_LOG_RATIO, MAX_LOG_RATIO
-    )
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
-    high = clip_range if clip_high is None else clip_high
-    loss2 = -adv * ratio.clamp(1.0 - clip_range, 1.0 + high)
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.maximum(loss1, loss2)
     with torch.no_grad():
         stats = {
-            "approx_kl": masked_mean(ratio - 1 - log_ratio, mask),
             "clipfrac": masked_mean((loss2 > loss1).float(), mask),
             "ratio_max": _clean(ratio, mask).max(),
             "ratio_mean": masked_mean(ratio, mask),
@@ -298,7 +324,102 @@ def policy_loss(
         dual = (adv < 0) & (loss3 < token_loss)
         token_loss = torch.where(dual, loss3, token_loss)
         stats["dual_clipfrac"] = masked_mean(dual.float(), mask).detach()
-    return aggregate_loss(token_loss, mask, aggregation), stats
+    return _clean(token_loss, mask), stats
+
+
+def ppo_token_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO (Schulman et al. 2017): :func:`clipped_surrogate` of each token's own ratio
+    pi / pi_old. logprobs (B, T) with grad; old_logprobs, advantages, response_mask: (B, T).
+    Returns token losses (B, T) and the surrogate's stats plus approx_kl."""
+    log_ratio = token_log_ratio(logprobs, old_logprobs, response_mask)
+    token_loss, stats = clipped_surrogate(
+        log_ratio, advantages, response_mask, clip_low, clip_high, dual_clip
+    )
+    return token_loss, {"approx_kl": approx_kl(log_ratio, response_mask), **stats}
+
+
+def gspo_token_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): the clipped surrogate of each answer's sequence-level ratio
+    s = (pi(y) / pi_old(y))^(1 / |y|), the exp of the mean token log-ratio, on every token of
+    the answer; clipped per answer, so one token cannot move alone. Arguments and returns as
+    :func:`ppo_token_loss` (clipfrac and the ratio stats are over s, counted per token)."""
+    log_ratio = token_log_ratio(logprobs, old_logprobs, response_mask)
+    sequence = masked_mean(log_ratio, response_mask, dim=-1)  # (B,), with grad
+    token_loss, stats = clipped_surrogate(
+        sequence.unsqueeze(-1).expand_as(log_ratio),
+        advantages,
+        response_mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+    )
+    return token_loss, {"approx_kl": approx_kl(log_ratio, response_mask), **stats}
+
+
+def cispo_token_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi per
+    token. The importance weight is clipped and detached instead of the update, so every token
+    keeps its gradient (PPO's clip zeroes it): clip_low 1 removes the lower bound, as M1 does.
+    Arguments and returns as :func:`ppo_token_loss`; clipfrac counts the clipped weights. Takes
+    no dual_clip (its loss is not a surrogate of the ratio)."""
+    if dual_clip is not None:
+        raise ValueError("the cispo loss takes no dual_clip")
+    mask = response_mask.bool()
+    log_ratio = token_log_ratio(logprobs, old_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    token_loss = -weight * _clean(advantages, mask) * _clean(logprobs, mask)
+    with torch.no_grad():
+        stats = {
+            "approx_kl": approx_kl(log_ratio, mask),
+            "clipfrac": masked_mean((weight != ratio).float(), mask),
+            "ratio_max": _clean(ratio, mask).max(),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return _clean(token_loss, mask), stats
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped loss of a batch: :func:`ppo_token_loss` aggregated by
+    :func:`aggregate_loss` (default: the mean over real tokens). Both clip bounds are given:
+    clip_low bounds the ratio below (1 - clip_low), clip_high above (1 + clip_high)."""
+    token_loss, stats = ppo_token_loss(
+        logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip
+    )
+    return aggregate_loss(token_loss, response_mask, aggregation), stats
 
 
 def value_loss(
@@ -540,15 +661,25 @@ REFERENCE_FREE = ("simpo",)
 # [g * n, (g + 1) * n) answer prompt g), so a batch of B rows holds G = B / n groups. Outcome
 # advantages are per answer (B,) and reach every real token of it through token_advantages.
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
-def aggregate_loss(x: Tensor, response_mask: Tensor, mode: str = "token-mean") -> Tensor:
+def aggregate_loss(
+    x: Tensor, response_mask: Tensor, mode: str = "token-mean", max_tokens: int | None = None
+) -> Tensor:
     """A batch's loss from per-token losses x (B, T): "token-mean" averages over every real token
     (long answers weigh more; DAPO), "seq-mean-token-mean" averages each answer over its tokens,
     then over answers (GRPO's paper), "seq-mean-token-sum" sums each answer's tokens, then
-    averages over answers (Dr. GRPO: no length normalisation). Answers with no real token count
-    in neither mean. Scalar; :func:`aggregation_units` counts what it averages over."""
+    averages over answers, "seq-mean-token-sum-norm" divides those sums by the constant
+    ``max_tokens`` (the generation budget) before averaging (Dr. GRPO's loss, TRL's dr_grpo,
+    verl's seq-mean-token-sum-norm: no length normalisation, the token-mean's scale). Answers
+    with no real token count in neither mean. Scalar; :func:`aggregation_units` counts what it
+    averages over."""
     mask = response_mask.bool()
     if mode == "token-mean":
         return masked_mean(x, mask)
@@ -557,6 +688,12 @@ def aggregate_loss(x: Tensor, response_mask: Tensor, mode: str = "token-mean") -
         return masked_mean(masked_mean(x, mask, dim=-1), rows)
     if mode == "seq-mean-token-sum":
         return masked_mean(masked_sum(x, mask, dim=-1), rows)
+    if mode == "seq-mean-token-sum-norm":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError(
+                f"{mode} divides by the generation budget: max_tokens >= 1, got {max_tokens}"
+            )
+        return masked_mean(masked_sum(x, mask, dim=-1) / max_tokens, rows)
     raise ValueError(f"unknown loss aggregation {mode!r}; accepted: {', '.join(LOSS_AGGREGATIONS)}")
 
 
@@ -574,13 +711,22 @@ def kl_loss(
     response_mask: Tensor,
     estimator: str = "k3",
     aggregation: str = "token-mean",
+    logits: Tensor | None = None,
+    ref_logits: Tensor | None = None,
+    max_tokens: int | None = None,
 ) -> Tensor:
-    """GRPO's KL term: :func:`kl_penalty` of the current policy against the reference per real
-    token, aggregated as the policy loss is. logprobs (with grad), ref_logprobs, response_mask:
+    """The KL to the reference as a loss term (GRPO's; ppo.kl_in_loss): per real token
+    :func:`kl_penalty` of the current policy's log-probs (with grad) against the reference's,
+    or for "full" the exact :func:`full_kl` of the (B, T, V) ``logits`` (with grad) against
+    ``ref_logits``, whose gradient reaches every token of the vocabulary, not only the one in
+    the rollout; aggregated as the policy loss is. logprobs, ref_logprobs, response_mask:
     (B, T). Masked positions are dropped before the estimator (garbage could overflow k3)."""
     mask = response_mask.bool()
-    kl = kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), estimator)
-    return aggregate_loss(kl, mask, aggregation)
+    if estimator == "full":
+        kl = per_token_kl(logprobs, ref_logprobs, estimator, logits, ref_logits)
+    else:
+        kl = kl_penalty(_clean(logprobs, mask), _clean(ref_logprobs, mask), estimator)
+    return aggregate_loss(kl, mask, aggregation, max_tokens)
 
 
 def token_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:

@@ -410,11 +410,6 @@ class RewardConfig:
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GENERATION_CACHES = ("dynamic", "static")
-# step 3's advantage estimators: gae trains a critic, the others are critic-free; the group ones
-# compare the answers sampled for one prompt
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "remax")
-GROUP_ESTIMATORS = ("grpo", "rloo")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass
@@ -531,8 +526,9 @@ class PPOConfig:
     # -- advantages
     # gae: PPO's critic and GAE | grpo: group-normalised score | rloo: the mean score of the
     # prompt's other answers as baseline | reinforce_pp: REINFORCE++, returns whitened over the
-    # batch | remax: the greedy answer's score as baseline. All but gae load and train no
-    # critic (critic.* then only names the reward model: critic.model.path)
+    # batch | reinforce_pp_baseline: the group's mean score as baseline, then REINFORCE++ |
+    # remax: the greedy answer's score as baseline | any name registered in rlhf/registry.py.
+    # All but gae load and train no critic (critic.* then only names the reward model)
     advantage_estimator: str = "gae"
     gamma: float = 1.0  # discount (gae, reinforce_pp)
     lam: float = 0.95  # GAE's lambda
@@ -549,16 +545,28 @@ class PPOConfig:
     # batch is filled with equal-score groups (ppo/groups_padded)
     dynamic_sampling_rounds: int = 4
     # -- losses
+    # the actor's loss: ppo (the clipped surrogate of each token's ratio) | gspo (of each
+    # answer's length-normalised sequence ratio) | cispo (the clipped ratio as a detached
+    # weight on the log-prob) | any name registered in rlhf/registry.py
+    policy_loss: str = "ppo"
     clip_range: float = 0.2  # PPO's ratio clip epsilon
-    clip_low: float | None = None  # the ratio's clip below 1 (1 - this); null: clip_range
+    # the ratio's clip below 1 (1 - this; 1: no lower bound); null: clip_range
+    clip_low: float | None = None
     # the ratio's clip above 1 (1 + this; DAPO's clip-higher: 0.28); null: clip_range
     clip_high: float | None = None
     # how the actor's token losses become one loss: token-mean (every real token of the step
     # weighs the same) | seq-mean-token-mean (each answer's mean, then over answers; GRPO's
-    # paper) | seq-mean-token-sum (each answer's sum, then over answers; Dr. GRPO)
-    loss_aggregation: str = "token-mean"
+    # paper) | seq-mean-token-sum (each answer's sum, then over answers) |
+    # seq-mean-token-sum-norm (each answer's sum over max_new_tokens, then over answers; Dr.
+    # GRPO). null: the policy loss's own (gspo: seq-mean-token-mean), else the estimator's
+    # (grpo: seq-mean-token-mean; the others: token-mean)
+    loss_aggregation: str | None = None
     dual_clip: float | None = None  # e.g. 3.0: bound the loss of negative-advantage tokens
     clip_range_value: float = 0.2  # the value loss's clip around the old values
+    # iterations at the start whose updates train the critic only: the actor waits for values
+    # that have seen its rollouts (a critic started from the reward model predicts scores, not
+    # returns); estimators with a critic only
+    critic_warmup_steps: int = 0
     entropy_coef: float = 0.0  # weight of an entropy bonus in the actor's loss
     target_kl: float | None = None  # stop this iteration's PPO epochs once approx_kl exceeds it
     # -- EMA of the actor, exported as actor_ema/
@@ -574,17 +582,6 @@ class PPOConfig:
     # answers sampled per held-out prompt at the rollout temperature: eval/kl,
     # eval/reward_sampled, eval/gold_accuracy_sampled and eval/gold_score_corr
     eval_samples: int = 2
-
-    @property
-    def uses_critic(self) -> bool:
-        """Only GAE needs a critic: the other estimators take their baseline from rewards."""
-        return self.advantage_estimator == "gae"
-
-    @property
-    def reads_critic_path(self) -> bool:
-        """critic.model.path names the critic's start (GAE) or the reward model (no function);
-        a critic-free estimator with ppo.reward_function reads neither."""
-        return self.uses_critic or self.reward_function is None
 
     @property
     def normalizes_reward(self) -> bool:
@@ -626,11 +623,6 @@ class PPOConfig:
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
-        elif self.kl_estimator == "full" and self.kl_in_loss:
-            # the loss term would need the reference's (B, R, V) logits kept per rollout
-            out.append(
-                ("kl_in_loss", True, "false with kl_estimator=full (k1, k2 or k3 in the loss)")
-            )
         elif self.kl_estimator == "full" and self.rollout_logprobs:
             out.append(
                 (
@@ -693,45 +685,19 @@ class PPOConfig:
         return out + self.estimator_problems()
 
     def estimator_problems(self) -> list[tuple[str, Any, str]]:
-        """The advantage estimator and the keys that go with it (clips, aggregation, groups)."""
+        """The keys of the estimators and losses that need no registry (rlhf.registry checks
+        the names and what depends on them)."""
         out = []
-        name = self.advantage_estimator
-        if name not in ADVANTAGE_ESTIMATORS:
-            out.append(("advantage_estimator", name, f"one of {', '.join(ADVANTAGE_ESTIMATORS)}"))
-        if name in GROUP_ESTIMATORS and self.num_samples_per_prompt < 2:
-            out.append(
-                (
-                    "num_samples_per_prompt",
-                    self.num_samples_per_prompt,
-                    f"an integer >= 2 with advantage_estimator={name} (a group of answers)",
-                )
-            )
-        if self.dynamic_sampling and name not in GROUP_ESTIMATORS:
-            out.append(
-                (
-                    "dynamic_sampling",
-                    True,
-                    f"false unless advantage_estimator is {' or '.join(GROUP_ESTIMATORS)} "
-                    "(only there does a group of equal scores have zero advantage)",
-                )
-            )
-        if self.greedy and name in (*GROUP_ESTIMATORS, "remax"):
-            out.append(
-                (
-                    "greedy",
-                    True,
-                    f"false with advantage_estimator={name} (greedy answers equal their "
-                    "baseline: every advantage would be 0)",
-                )
-            )
-        if self.clip_low is not None and not 0.0 <= self.clip_low < 1.0:
-            out.append(("clip_low", self.clip_low, "null or a float in [0, 1)"))
+        if self.clip_low is not None and not 0.0 <= self.clip_low <= 1.0:
+            out.append(("clip_low", self.clip_low, "null or a float in [0, 1]"))
         if self.clip_high is not None and self.clip_high < 0:
             out.append(("clip_high", self.clip_high, "null or a float >= 0"))
-        if self.loss_aggregation not in LOSS_AGGREGATIONS:
-            accepted = f"one of {', '.join(LOSS_AGGREGATIONS)}"
-            out.append(("loss_aggregation", self.loss_aggregation, accepted))
-        for key in ("overlong_buffer", "overlong_penalty", "dynamic_sampling_rounds"):
+        for key in (
+            "overlong_buffer",
+            "overlong_penalty",
+            "dynamic_sampling_rounds",
+            "critic_warmup_steps",
+        ):
             if getattr(self, key) < 0:
                 out.append((key, getattr(self, key), "a number >= 0"))
         if 0 < self.max_new_tokens <= self.overlong_buffer:
@@ -891,17 +857,6 @@ class Config:
             out.append(("reward.share_prompt", True, "false with data.pad_to_max_len=true"))
         if self.step.name == "dpo" and self.model.path is None:
             out.append(("model.path", None, "the SFT export (RUN/sft/model), or run algo=dpo"))
-        if self.step.name == "ppo":
-            for role in ("actor", "critic") if self.ppo.reads_critic_path else ("actor",):
-                if getattr(self, role).model.path is None:
-                    out.append(
-                        (
-                            f"{role}.model.path",
-                            None,
-                            "a model directory (the SFT export for "
-                            "the actor, the reward export for the critic), or run step=all",
-                        )
-                    )
         return out
 
 

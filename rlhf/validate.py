@@ -33,7 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf import tasks
+from rlhf import registry, tasks
 from rlhf.config import (
     Config,
     ConfigError,
@@ -295,7 +295,16 @@ def _looks_local(path: str) -> bool:
 
 
 def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
-    ppo, out = config.ppo, []
+    ppo, out = config.ppo, registry.problems(config.ppo)
+    if config.step.name == "ppo" and not any(key == "ppo.advantage_estimator" for key, *_ in out):
+        roles = ("actor", "critic") if registry.reads_critic_path(ppo) else ("actor",)
+        for role in roles:
+            if getattr(config, role).model.path is None:
+                accepted = (
+                    "a model directory (the SFT export for the actor, the reward export for "
+                    "the critic), or run step=all"
+                )
+                out.append((f"{role}.model.path", None, accepted))
     if ppo.reward_function is not None:
         try:
             tasks.resolve_reward(ppo.reward_function)
@@ -394,7 +403,7 @@ def ppo_model_problems(config: Config) -> list[str]:
         return []
     out = []
     # a critic-free estimator trains no critic: critic.model is only the frozen reward model
-    for role in ("actor", "critic") if config.ppo.uses_critic else ("actor",):
+    for role in ("actor", "critic") if registry.uses_critic(config.ppo) else ("actor",):
         trained = getattr(config, role)
         out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
     actor, critic = config.actor.model, config.critic.model

@@ -240,7 +240,7 @@ def policy_case():
 
 
 def test_policy_loss_hand_computed():
-    loss, stats = algos.policy_loss(*policy_case(), clip_range=0.2)
+    loss, stats = algos.policy_loss(*policy_case(), 0.2, 0.2)
     # token losses max(-A r, -A clip(r, 0.8, 1.2)):
     #   max(-1.5, -1.2) = -1.2 (clipped), max(-1.0, -1.6) = -1.0, max(0.5, 0.8) = 0.8 (clipped), -3
     close(loss, (-1.2 - 1.0 + 0.8 - 3.0) / 4)
@@ -257,14 +257,14 @@ def test_policy_loss_dual_clip():
     logprobs = torch.log(torch.tensor([[5.0, 5.0]]))
     adv = torch.tensor([[-1.0, 1.0]])
     # A = -1, r = 5: max(5, 1.2) = 5, dual clip min(5, 3 * 1) = 3; A = 1, r = 5: max(-5, -1.2) = -1.2
-    plain, _ = algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), clip_range=0.2)
+    plain, _ = algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), 0.2, 0.2)
     close(plain, (5.0 - 1.2) / 2)
-    dual, stats = algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), 0.2, dual_clip=3.0)
+    dual, stats = algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), 0.2, 0.2, 3.0)
     close(dual, (3.0 - 1.2) / 2)
     close(stats["dual_clipfrac"], 0.5)
     for bad in (1.0, 0.5):
         with pytest.raises(ValueError, match="dual_clip"):
-            algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), 0.2, dual_clip=bad)
+            algos.policy_loss(logprobs, old, adv, torch.ones(1, 2), 0.2, 0.2, bad)
 
 
 def test_dual_clip_bounds_negative_advantages():
@@ -272,7 +272,7 @@ def test_dual_clip_bounds_negative_advantages():
     log_ratio, adv = torch.randn(256, 1) * 3, -torch.rand(256, 1) * 5
     for lr, a in zip(log_ratio, adv, strict=True):
         loss, _ = algos.policy_loss(
-            lr[None], torch.zeros(1, 1), a[None], torch.ones(1, 1), 0.2, 2.0
+            lr[None], torch.zeros(1, 1), a[None], torch.ones(1, 1), 0.2, 0.2, 2.0
         )
         assert loss <= 2.0 * a.abs().item() + 1e-6
 
@@ -304,7 +304,7 @@ def test_masked_positions_change_nothing(garbage):
     def run(t):
         rewards, kl = algos.compute_rewards(scores, t["lp"], t["ref"], mask, 0.1, 1.0, "k3")
         adv, ret = algos.gae(rewards, t["v"], mask, 0.99, 0.95)
-        pl, ps = algos.policy_loss(t["lp"], t["old"], t["adv"], mask, 0.2, dual_clip=3.0)
+        pl, ps = algos.policy_loss(t["lp"], t["old"], t["adv"], mask, 0.2, 0.2, 3.0)
         vl, vs = algos.value_loss(t["v"], t["oldv"], t["ret"], mask, 0.2)
         white = algos.masked_whiten(t["adv"], mask)
         return [rewards, kl, adv, ret, pl, vl, white, *ps.values(), *vs.values()]
@@ -319,7 +319,7 @@ def test_gradients_finite_with_garbage():
     mask = torch.tensor([[1, 1, 0, 0]]).bool()
     logprobs = torch.tensor([[-1.0, -2.0, 1e4, -1e4]], requires_grad=True)  # exp(1e4) = inf
     values = torch.tensor([[0.5, 0.2, 1e30, -1e30]], requires_grad=True)
-    loss, _ = algos.policy_loss(logprobs, torch.zeros(1, 4), torch.ones(1, 4), mask, 0.2)
+    loss, _ = algos.policy_loss(logprobs, torch.zeros(1, 4), torch.ones(1, 4), mask, 0.2, 0.2)
     vloss, _ = algos.value_loss(values, torch.zeros(1, 4), torch.ones(1, 4), mask, 0.2)
     (loss + vloss + algos.masked_whiten(values, mask).sum()).backward()
     for grad in (logprobs.grad, values.grad):

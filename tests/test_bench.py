@@ -9,7 +9,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, OPTConfig
 
-from rlhf.__main__ import ONEDNN_CACHES
+from rlhf import ONEDNN_CACHES
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.data.sampling import EpochPlan
 from rlhf.tools import bench

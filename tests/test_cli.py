@@ -8,7 +8,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf.__main__ import ONEDNN_CACHES
+from rlhf import ONEDNN_CACHES
 from tests.conftest import cache_overrides, run_rlhf
 
 NO_TRACE = {"HYDRA_FULL_ERROR": "0"}  # Hydra's short messages, whatever the caller's shell says
@@ -102,13 +102,22 @@ def test_onednn_caches_are_capped_before_torch_loads_unless_the_user_set_them():
     import subprocess
     import sys
 
+    # what the environment holds at the moment torch is first imported
     code = (
-        "import os, sys; import rlhf.__main__ as m; "
-        "print([os.environ[k] for k in m.ONEDNN_CACHES], 'torch' in sys.modules)"
+        "import os, sys, importlib.abc\n"
+        "seen = {}\n"
+        "class Hook(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch' and not seen:\n"
+        f"            seen.update((k, os.environ.get(k)) for k in {ONEDNN_CACHES!r})\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "import rlhf.__main__\n"
+        "import torch\n"
+        f"print([seen[k] for k in {ONEDNN_CACHES!r}])\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHES}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "['16', '16'] False", out.stderr
+    assert out.stdout.strip() == "['16', '16']", out.stderr
     env["LRU_CACHE_CAPACITY"] = "8"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "['16', '8'] False", out.stderr
+    assert out.stdout.strip() == "['16', '8']", out.stderr

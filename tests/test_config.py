@@ -235,12 +235,6 @@ BAD_VALUES = [
     ),
     (["step=ppo", "ppo.kl_estimator=k4"], "ppo.kl_estimator", "'k4'", "k1, k2, k3, full"),
     (
-        ["step=ppo", "ppo.kl_estimator=full", "ppo.kl_in_loss=true"],
-        "ppo.kl_in_loss",
-        "True",
-        "false with kl_estimator=full",
-    ),
-    (
         ["step=ppo", "ppo.kl_estimator=full", "ppo.rollout_logprobs=true"],
         "ppo.rollout_logprobs",
         "True",

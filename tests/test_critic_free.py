@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf import algos
+from rlhf import algos, registry
 from rlhf.config import ConfigError, register_configs, to_config
 from rlhf.rl.advantages import Shaping
 from rlhf.rl.experience import (
@@ -33,14 +33,14 @@ BAD = [
     (["ppo.advantage_estimator=ppo"], "ppo.advantage_estimator", "'ppo'", "gae, grpo, rloo"),
     (["ppo.advantage_estimator=grpo"], "ppo.num_samples_per_prompt", "1", ">= 2 with"),
     (["ppo.num_samples_per_prompt=0"], "ppo.num_samples_per_prompt", "0", ">= 1"),
-    (["ppo.dynamic_sampling=true"], "ppo.dynamic_sampling", "True", "grpo or rloo"),
+    (["ppo.dynamic_sampling=true"], "ppo.dynamic_sampling", "True", "grpo, rloo"),
     (
         ["ppo.advantage_estimator=remax", "ppo.greedy=true"],
         "ppo.greedy",
         "True",
         "every advantage would be 0",
     ),
-    (["ppo.clip_low=1.0"], "ppo.clip_low", "1.0", "[0, 1)"),
+    (["ppo.clip_low=1.5"], "ppo.clip_low", "1.5", "[0, 1]"),
     (["ppo.clip_high=-0.1"], "ppo.clip_high", "-0.1", ">= 0"),
     (["ppo.loss_aggregation=sum"], "ppo.loss_aggregation", "'sum'", "seq-mean-token-sum"),
     (["ppo.overlong_buffer=-1"], "ppo.overlong_buffer", "-1", ">= 0"),
@@ -79,8 +79,8 @@ def test_bad_estimator_values_are_refused_by_name(overrides, key, value, accepte
 def test_a_group_estimator_with_groups_validates():
     overrides = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
     config = validated(compose([*PPO, *overrides, "ppo.dynamic_sampling=true"]))
-    assert not config.ppo.uses_critic
-    assert validated(compose(PPO)).ppo.uses_critic  # gae, today's PPO, is the default
+    assert not registry.uses_critic(config.ppo)
+    assert registry.uses_critic(validated(compose(PPO)).ppo)  # gae, today's PPO, is the default
 
 
 def answer_length(prompts: list[str], answers: list[str]) -> list[float]:
@@ -254,7 +254,8 @@ def test_a_critic_free_update_has_no_critic_and_adds_the_kl_loss_term():
 
     exp = _group_experience("grpo")
     models = SimpleNamespace(actor=ppo_tests.Trained(ppo_tests._lm(seed=3)), critic=None)
-    out = ppo_recipe.train_step(models, [exp], _update_config(), None, NonFiniteGuard(3), 0.1)
+    cfg = _update_config("ppo.loss_aggregation=token-mean")
+    out = ppo_recipe.train_step(models, [exp], cfg, None, NonFiniteGuard(3), 0.1)
     assert out["critic_loss_sum"] == 0.0
     # the actor is the rollout's (seed 3): its log-probs are the old ones
     kl = algos.kl_loss(exp.old_logprobs, exp.ref_logprobs, exp.response_mask, "k3")
@@ -291,7 +292,7 @@ def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
     function reads neither, so it is not asked for, and GAE still is."""
     actor = ["step=ppo", "actor.model.path=/tmp", "ppo.reward_function=toy_gold"]
     config = validated(compose([*actor, "algo=grpo"]))
-    assert config.critic.model.path is None and not config.ppo.reads_critic_path
+    assert config.critic.model.path is None and not registry.reads_critic_path(config.ppo)
     with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
         validated(compose(actor))  # GAE trains a critic from it
     with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
@@ -307,7 +308,10 @@ def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
         ("dapo", "grpo", True),
         ("rloo", "rloo", True),
         ("reinforce_pp", "reinforce_pp", True),
+        ("reinforce_pp_baseline", "reinforce_pp_baseline", True),
         ("remax", "remax", True),
+        ("gspo", "grpo", True),
+        ("cispo", "grpo", True),
     ],
 )
 def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
@@ -315,7 +319,7 @@ def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
 ):
     config = validated(compose([f"algo={algo}", *PPO]))
     assert config.ppo.advantage_estimator == estimator
-    assert config.ppo.uses_critic is not critic_free
+    assert registry.uses_critic(config.ppo) is not critic_free
     assert config.pipeline.steps == ["sft", "reward", "ppo"]
     # the same number of answers per rollout as PPO's
     ppo = config.ppo
@@ -329,7 +333,7 @@ def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do():
     assert (grpo.std_normalize, dr.std_normalize) == (True, False)
     assert (grpo.loss_aggregation, dr.loss_aggregation) == (
         "seq-mean-token-mean",
-        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
     )
     assert dr.kl_in_loss and dr.kl_coef == grpo.kl_coef  # the rest is GRPO's
     assert (dapo.clip_range, dapo.clip_high, dapo.kl_coef) == (0.2, 0.28, 0.0)
@@ -341,7 +345,17 @@ def test_the_algos_sweep_composes_each_algorithm_on_the_same_start():
     from tests.conftest import compose_sweep, sweep_axes
 
     [algos] = sweep_axes("algos").values()
-    assert algos == ["ppo", "grpo", "rloo", "reinforce_pp", "remax", "dpo"]
+    assert algos == [
+        "ppo",
+        "grpo",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "gspo",
+        "cispo",
+        "dpo",
+    ]
     starts = set()
     for algo in algos:
         job = validated(compose_sweep("algos", [f"algo={algo}"]))

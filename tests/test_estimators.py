@@ -122,7 +122,7 @@ def test_asymmetric_clip_lets_positive_advantages_rise_further():
     # 1.25 is inside [0.8, 1.28]: -1.25; 0.7 with A > 0: max(-0.7, -0.8) = -0.7 (unclipped)
     close(loss, (-1.28 + 0.8 - 1.25 - 0.7) / 4)
     close(stats["clipfrac"], 0.5)
-    symmetric, _ = algos.policy_loss(logprobs, old, advantages, mask, 0.2)
+    symmetric, _ = algos.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2)
     close(symmetric, (-1.2 + 0.8 - 1.2 - 0.7) / 4)  # 1.25 clipped at 1.2 as well
 
 
@@ -143,7 +143,7 @@ def test_loss_aggregations(mode, expected, units):
     assert algos.aggregation_units(AGG_MASK, mode) == units
     # the policy loss aggregates its token losses the same way (ratio 1: token loss = -A)
     loss, _ = algos.policy_loss(
-        torch.zeros(3, 4), torch.zeros(3, 4), -AGG_X, AGG_MASK, 0.2, aggregation=mode
+        torch.zeros(3, 4), torch.zeros(3, 4), -AGG_X, AGG_MASK, 0.2, 0.2, aggregation=mode
     )
     close(loss, expected)
 

@@ -349,7 +349,7 @@ def test_ppo_experience_and_losses_are_the_same_on_the_fast_and_the_baseline_pat
             )
             values = response_values(critic, exp.sequences, exp.attention_mask, start, packing)
         actor_loss, _ = algos.policy_loss(
-            logprobs, exp.old_logprobs, exp.advantages, exp.response_mask, 0.2, None
+            logprobs, exp.old_logprobs, exp.advantages, exp.response_mask, 0.2, 0.2
         )
         critic_loss, _ = algos.value_loss(
             values, exp.old_values + 0.1, exp.returns, exp.response_mask, 0.2

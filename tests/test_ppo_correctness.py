@@ -447,7 +447,7 @@ def test_ptx_ranks_read_disjoint_rows_and_keep_them_after_a_resume(monkeypatch):
 def test_a_huge_log_ratio_gives_a_finite_loss_and_kl():
     logprobs, old = torch.zeros(1, 2), torch.tensor([[-100.0, 0.0]])
     advantages, mask = torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool)
-    loss, stats = algos.policy_loss(logprobs, old, advantages, mask, 0.2)
+    loss, stats = algos.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2)
     assert torch.isfinite(loss) and torch.isfinite(stats["ratio_max"])
     k3 = algos.kl_penalty(torch.tensor([[-100.0]]), torch.zeros(1, 1), "k3")
     assert torch.isfinite(k3).all()

@@ -38,7 +38,7 @@ from tests.conftest import (
 
 register_configs()
 
-NEW_SWEEPS = {"lr_lora": 12, "kl_epochs": 12, "seeds": 3, "algos": 6}  # file -> number of jobs
+NEW_SWEEPS = {"lr_lora": 12, "kl_epochs": 12, "seeds": 3, "algos": 9}  # file -> number of jobs
 LAUNCHER = "hydra_plugins.rlhf_launcher.rlhf_launcher.RlhfLauncher"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 

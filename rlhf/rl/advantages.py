@@ -1,17 +1,17 @@
-"""From a scored rollout to what the losses read: the reward each answer's last token receives
-(the score clipped, its penalties, DAPO's overlong penalty), the KL coefficient's controller, and
-the advantage estimators of ppo.advantage_estimator (GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++,
-ReMax). Tensors in, tensors out; the math itself is rlhf.algos'."""
+"""From a scored rollout to what the estimators read: the reward each answer's last token
+receives (the score clipped, its penalties, DAPO's overlong penalty) and the KL coefficient's
+controller; the estimators themselves are rlhf.registry's. Tensors in, tensors out; the math
+itself is rlhf.algos'."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rlhf import algos
 from rlhf.config import Config, PPOConfig
+from rlhf.registry import AdvantageParams
 from rlhf.rl.models import max_new_tokens
 
 
@@ -36,12 +36,16 @@ class Shaping:
     # None: answers shorter than min_response_tokens are masked out of every loss; a value:
     # they stay in the losses with -short_answer_penalty as their score
     short_answer_penalty: float | None = None
-    estimator: str = "gae"  # ppo.advantage_estimator: a key of ESTIMATORS
+    estimator: str = "gae"  # ppo.advantage_estimator: a key of rlhf.registry.ESTIMATORS
     group_size: int = 1  # answers per prompt, contiguous rows (ppo.num_samples_per_prompt)
     std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
     max_new_tokens: int = 0  # the answer cap the overlong penalty counts from
     overlong_buffer: int = 0  # DAPO's overlong penalty: its ramp in tokens (0: off)
     overlong_penalty: float = 1.0  # and what an answer at the cap loses
+
+    @property
+    def advantage_params(self) -> AdvantageParams:
+        return AdvantageParams(self.gamma, self.lam, self.group_size, self.std_normalize)
 
 
 def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
@@ -49,25 +53,25 @@ def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> S
     ppo.kl_in_loss the KL goes into the actor's loss instead: none in the reward)."""
     ppo = cfg.ppo
     return Shaping(
-        0.0 if ppo.kl_in_loss else kl_coef,
-        ppo.kl_estimator,
-        ppo.clip_reward_value,
-        ppo.gamma,
-        ppo.lam,
-        ppo.min_response_tokens,
-        score_position,
-        reward_stats,
-        1.0 if ppo.greedy else ppo.temperature,
-        ppo.packing,
-        cfg.actor.optim.compute_fp32_loss,
-        ppo.unterminated_penalty,
-        ppo.short_answer_penalty,
-        ppo.advantage_estimator,
-        ppo.num_samples_per_prompt,
-        ppo.std_normalize,
-        max_new_tokens(cfg),
-        ppo.overlong_buffer,
-        ppo.overlong_penalty,
+        kl_coef=0.0 if ppo.kl_in_loss else kl_coef,
+        kl_estimator=ppo.kl_estimator,
+        clip_reward_value=ppo.clip_reward_value,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        min_response_tokens=ppo.min_response_tokens,
+        score_position=score_position,
+        reward_stats=reward_stats,
+        temperature=1.0 if ppo.greedy else ppo.temperature,
+        packing=ppo.packing,
+        fp32_logits=cfg.actor.optim.compute_fp32_loss,
+        unterminated_penalty=ppo.unterminated_penalty,
+        short_answer_penalty=ppo.short_answer_penalty,
+        estimator=ppo.advantage_estimator,
+        group_size=ppo.num_samples_per_prompt,
+        std_normalize=ppo.std_normalize,
+        max_new_tokens=max_new_tokens(cfg),
+        overlong_buffer=ppo.overlong_buffer,
+        overlong_penalty=ppo.overlong_penalty,
     )
 
 
@@ -107,64 +111,3 @@ def penalised_scores(
     if shaping.short_answer_penalty is not None:
         out = torch.where(short, torch.full_like(out, -shaping.short_answer_penalty), out)
     return out
-
-
-# The advantage estimators (ppo.advantage_estimator): each maps a generation batch's
-# (B, R) rewards, values and response mask, and ReMax's (B,) baselines, to (B, R) advantages
-# and returns. A group is contiguous rows (Collector); answers masked out of the losses (mask
-# all False) stay out of their group's statistics.
-
-
-def _gae(shaping: Shaping, rewards, values, mask, baselines):
-    return algos.gae(rewards, values, mask, shaping.gamma, shaping.lam)
-
-
-def answer_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return algos.masked_sum(rewards, mask, dim=-1)  # (B,): the score, less any KL in the reward
-
-
-def _grpo(shaping: Shaping, rewards, values, mask, baselines):
-    scores = answer_rewards(rewards, mask)
-    per_answer = algos.group_advantages(
-        scores, shaping.group_size, shaping.std_normalize, mask.any(-1)
-    )
-    advantages = algos.token_advantages(per_answer, mask)
-    return advantages, advantages
-
-
-def _rloo(shaping: Shaping, rewards, values, mask, baselines):
-    per_answer = algos.rloo_advantages(
-        answer_rewards(rewards, mask), shaping.group_size, mask.any(-1)
-    )
-    advantages = algos.token_advantages(per_answer, mask)
-    return advantages, advantages
-
-
-def _reinforce_pp(shaping: Shaping, rewards, values, mask, baselines):
-    returns = algos.discounted_returns(rewards, mask, shaping.gamma)  # whitened later: whitens
-    return returns, returns
-
-
-def _remax(shaping: Shaping, rewards, values, mask, baselines):
-    advantages = algos.remax_advantages(rewards, baselines, mask)
-    return advantages, advantages
-
-
-ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-    "remax": _remax,
-}
-# the estimators whose baseline is the reward of a greedy answer to the same prompt
-GREEDY_BASELINE = ("remax",)
-
-
-def whitens(ppo: PPOConfig) -> bool:
-    """Whether an iteration's advantages are whitened over the rollout: REINFORCE++ always
-    (its baseline), GAE with ppo.whiten_advantages, the group estimators never (their
-    advantages are already relative to the prompt's other answers)."""
-    if ppo.advantage_estimator == "gae":
-        return ppo.whiten_advantages
-    return ppo.advantage_estimator == "reinforce_pp"

@@ -19,13 +19,8 @@ from rlhf.config import Config
 from rlhf.data.packing import RowPacking, pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.engine import model_device
-from rlhf.rl.advantages import (
-    ESTIMATORS,
-    GREEDY_BASELINE,
-    Shaping,
-    answer_rewards,
-    outcome_rewards,
-)
+from rlhf.registry import ESTIMATORS, AdvantageInputs
+from rlhf.rl.advantages import Shaping, outcome_rewards
 from rlhf.rl.generation import Rollout, Sampling, generate
 from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
@@ -47,8 +42,8 @@ class Experience(NamedTuple):
     rewards: (B, R) -kl_coef * KL per token (none with ppo.kl_in_loss), plus the clipped score
         (less any penalty) at the last real token.
     kl: (B, R) per-token KL estimate (actor vs reference).
-    advantages, returns: (B, R) the estimator's (ESTIMATORS): GAE's advantages and the critic's
-        targets; the critic-free estimators' returns are their advantages.
+    advantages, returns: (B, R) the estimator's (rlhf.registry): GAE's advantages and the
+        critic's targets; the critic-free estimators' returns are their advantages.
     short: (B,) True where the answer was shorter than min_response_tokens (masked out, or
         kept with its penalty as its score).
     unterminated: (B,) True where the answer was cut at max_new_tokens (no end-of-text);
@@ -259,8 +254,11 @@ def _score(
         old_values = torch.zeros_like(old_logprobs, dtype=torch.float32)
     scores = normalised_scores(reward_model, sequences, attention_mask, rollout, shaping, packing)
 
+    outcomes = outcome_rewards(
+        scores, short, unterminated, rollout.response_mask.to(device), shaping
+    )
     rewards, kl = algos.compute_rewards(
-        outcome_rewards(scores, short, unterminated, rollout.response_mask.to(device), shaping),
+        outcomes,
         old_logprobs.float(),
         ref_logprobs.float(),
         response_mask,
@@ -269,24 +267,23 @@ def _score(
         shaping.kl_estimator,
         token_kl,
     )
-    advantages, returns = ESTIMATORS[shaping.estimator](
-        shaping, rewards, old_values, response_mask, baselines
-    )
+    batch = AdvantageInputs(rewards, outcomes, old_values, response_mask, baselines)
+    advantages, returns = ESTIMATORS[shaping.estimator].compute(batch, shaping.advantage_params)
     return Experience(
-        sequences,
-        attention_mask,
-        rollout.prompt_width,
-        response_mask,
-        old_logprobs.float(),
-        ref_logprobs.float(),
-        old_values,
-        scores,
-        rewards,
-        kl,
-        advantages,
-        returns,
-        short,
-        unterminated,
+        sequences=sequences,
+        attention_mask=attention_mask,
+        prompt_width=rollout.prompt_width,
+        response_mask=response_mask,
+        old_logprobs=old_logprobs.float(),
+        ref_logprobs=ref_logprobs.float(),
+        old_values=old_values,
+        scores=scores,
+        rewards=rewards,
+        kl=kl,
+        advantages=advantages,
+        returns=returns,
+        short=short,
+        unterminated=unterminated,
     )
 
 
@@ -311,22 +308,18 @@ def normalised_scores(
 
 
 def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
-    """Advantages to zero mean, unit variance over every real response token of all ranks."""
-    total = count = squares = 0.0
-    for e in experiences:
-        a = e.advantages[e.response_mask]
-        total, count, squares = (
-            total + a.sum().item(),
-            count + a.numel(),
-            squares + (a**2).sum().item(),
-        )
-    total, count, squares = all_reduce_sum(total, count, squares)
+    """Advantages to zero mean, unit variance over every real response token of all ranks: two
+    passes in float64 (mean, then the squared deviations from it), the variance unbiased and
+    1e-8 inside the square root, as algos.masked_whiten takes them."""
+    tokens = [e.advantages[e.response_mask].double() for e in experiences]
+    total, count = all_reduce_sum(
+        sum(t.sum().item() for t in tokens), sum(t.numel() for t in tokens)
+    )
     mean = total / max(count, 1.0)
-    var = max(squares / max(count, 1.0) - mean**2, 0.0)
+    (deviations,) = all_reduce_sum(sum(((t - mean) ** 2).sum().item() for t in tokens))
+    moments = algos.whiten_moments(total, count, deviations)
     return [
-        e._replace(
-            advantages=algos.masked_whiten(e.advantages, e.response_mask, moments=(mean, var))
-        )
+        e._replace(advantages=algos.masked_whiten(e.advantages, e.response_mask, moments=moments))
         for e in experiences
     ]
 
@@ -350,7 +343,8 @@ def keep_varied_groups(
     equal: list[Experience] = []
 
     def sort(e: Experience) -> None:
-        spread = algos.varied_groups(answer_rewards(e.rewards, e.response_mask), group_size)
+        returns = algos.masked_sum(e.rewards, e.response_mask, dim=-1)  # what the groups compare
+        spread = algos.varied_groups(returns, group_size)
         rows = spread.repeat_interleave(group_size)
         varied.append(e.rows(rows.nonzero().squeeze(1)))
         equal.append(e.rows((~rows).nonzero().squeeze(1)))
@@ -544,7 +538,7 @@ class Collector:
             rollout = self.generate(group_prompts, shaping.temperature if record else None)
         tokens = int(rollout.response_mask.sum())
         baselines = None
-        if shaping.estimator in GREEDY_BASELINE:
+        if ESTIMATORS[shaping.estimator].greedy_baseline:
             baselines, greedy_tokens = self.greedy_baselines(prompt_ids, shaping)
             tokens += greedy_tokens
         self.speed.stop(tokens, len(group_prompts))

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rlhf import registry
 from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.dist import world_size
 from rlhf.engine import (
@@ -45,10 +46,12 @@ class Models(NamedTuple):
     critic_config: object | None
 
 
-def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
+def build_models(
+    cfg: Config, tokenizer, dtype: str, updates: int, actor_updates: int | None = None
+) -> Models:
     """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
     their twin's ZeRO stage (or offloaded); with ppo.reward_function no reward model is loaded,
-    with a critic-free estimator (not ppo.uses_critic) no critic."""
+    with a critic-free estimator (registry.uses_critic false) no critic."""
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
     device = device_type(cfg.device)
@@ -78,11 +81,16 @@ def build_models(cfg: Config, tokenizer, dtype: str, updates: int) -> Models:
     actor = apply_lora(actor, cfg.actor.lora)
     refuse_dropout("actor", actor)
     actor = initialize(
-        actor, actor_conf, cfg.actor.optim, cfg.actor.lora, cfg.actor.zero.offload, updates
+        actor,
+        actor_conf,
+        cfg.actor.optim,
+        cfg.actor.lora,
+        cfg.actor.zero.offload,
+        updates if actor_updates is None else actor_updates,
     )
 
     critic, critic_config = None, None
-    if ppo.uses_critic:
+    if registry.uses_critic(ppo):
         critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
     reference = initialize_frozen(
@@ -184,7 +192,7 @@ def load_tokenizer_pair(cfg: Config):
     """The tokenizer all four models share: the actor's; the critic's must be the same, since
     it scores the actor's tokens."""
     tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
-    if not cfg.ppo.reads_critic_path:  # no critic and no reward model
+    if not registry.reads_critic_path(cfg.ppo):  # no critic and no reward model
         return tokenizer
     critic_tokenizer = load_tokenizer(cfg.critic.model, cfg.critic.model.path)
     if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(critic_tokenizer):

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from transformers import set_seed
 
-from rlhf import algos
+from rlhf import algos, registry
 from rlhf.algos import token_loss_scale
 from rlhf.config import Config, ConfigError
 from rlhf.data.packing import pack_rows
@@ -29,7 +29,7 @@ from rlhf.dist import all_reduce_sum, max_over_ranks, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
 from rlhf.models import block_mask_problem, end_of_text_id, fast_path, read_stats
-from rlhf.rl.advantages import kl_controller, shaping, whitens
+from rlhf.rl.advantages import kl_controller, shaping
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
@@ -92,12 +92,14 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         f"({plan.global_batch_size} = ppo.per_device_generation_batch_size x ranks x "
         "ppo.generation_batches)",
     )
+    # the actor's schedule spans the iterations it trains in (after the critic's warm-up)
     updates = iterations * ppo.ppo_epochs * _steps_per_rollout(ppo)
+    actor_updates = max(iterations - ppo.critic_warmup_steps, 1) * updates // iterations
     ptx = PTXBatches(cfg, tokenizer, eot) if ppo.unsup_coef > 0 else None
     reward_stats, score_position = reward_settings(cfg)
 
     # 2. the four models (three: a critic-free estimator builds no critic)
-    models = build_models(cfg, tokenizer, dtype, updates)
+    models = build_models(cfg, tokenizer, dtype, updates, actor_updates)
     models.actor.train()  # updates in train mode (no dropout acts: build_models checks it)
     if models.critic is not None:
         models.critic.train()
@@ -105,7 +107,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         log.info(
             "ppo.advantage_estimator=%s: no critic is built; the critic.* keys are ignored%s",
             ppo.advantage_estimator,
-            " but critic.model.path, which names the reward model" if ppo.reads_critic_path else "",
+            " but critic.model.path, which names the reward model"
+            if registry.reads_critic_path(ppo)
+            else "",
         )
     composed = cfg  # what checkpoints record and resume=auto compares: the keys as set (null)
     # packed rows wherever every model's attention takes their mask (null), refused where asked
@@ -205,7 +209,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                     ),
                     ppo.dynamic_sampling_rounds,
                 )
-            if whitens(ppo):
+            if registry.whitens(ppo):
                 experiences = whiten_advantages(experiences)
 
             train_speed.start()
@@ -296,8 +300,10 @@ def ppo_update(
     """``ppo_epochs`` passes over this iteration's rollout in shuffled micro batches; each
     optimizer step is normalised by the response tokens (or answers: ppo.loss_aggregation) of
     the whole global step. Stops early when the epoch's approx-KL exceeds ``ppo.target_kl``.
-    kl_coef: the KL term's weight with ppo.kl_in_loss."""
+    kl_coef: the KL term's weight with ppo.kl_in_loss. The first ppo.critic_warmup_steps
+    iterations train the critic only."""
     ppo = cfg.ppo
+    train_actor = state.global_step >= ppo.critic_warmup_steps
     rollout = concat(experiences)
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
     totals: dict[str, float] = {}
@@ -310,7 +316,8 @@ def ppo_update(
                 rollout.rows(rows.to(rollout.scores.device))
                 for rows in step_rows.split(ppo.per_device_training_batch_size)
             ]
-            for key, value in train_step(models, micro, cfg, ptx, guard, kl_coef).items():
+            step = train_step(models, micro, cfg, ptx, guard, kl_coef, train_actor)
+            for key, value in step.items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
             guard.end_step(state.global_step + 1)
         epochs_run += 1
@@ -351,12 +358,14 @@ def train_step(
     ptx,
     guard: NonFiniteGuard,
     kl_coef: float,
+    train_actor: bool = True,
 ) -> dict[str, float]:
-    """One optimizer step of the actor and one of the critic (if any) over this rank's micro
-    batches. The actor's loss is a mean over the global step's tokens or answers
-    (ppo.loss_aggregation): each micro batch's mean is weighted by its share of them."""
+    """One optimizer step of the actor (unless ``train_actor`` is false: ppo.critic_warmup_steps)
+    and one of the critic (if any) over this rank's micro batches. The actor's loss is a mean
+    over the global step's tokens or answers (ppo.loss_aggregation): each micro batch's mean is
+    weighted by its share of them."""
     ppo = cfg.ppo
-    aggregation = ppo.loss_aggregation
+    aggregation = registry.loss_aggregation(ppo)
     local_targets = sum(float(e.response_mask.sum()) for e in micro)
     local_tokens = sum(float(e.attention_mask.sum()) for e in micro)
     local_units = sum(algos.aggregation_units(e.response_mask, aggregation) for e in micro)
@@ -365,7 +374,6 @@ def train_step(
     )
     scale = token_loss_scale(global_targets, world_size(), ppo.grad_accum)
     actor_scale = token_loss_scale(global_units, world_size(), ppo.grad_accum)
-    clip_low = ppo.clip_range if ppo.clip_low is None else ppo.clip_low
     out = dict.fromkeys(
         (
             "actor_loss_sum",
@@ -385,49 +393,23 @@ def train_step(
         units = algos.aggregation_units(exp.response_mask, aggregation)
         start = exp.prompt_width - 1
         packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if ppo.packing else None
-        # actor: clipped surrogate (+ entropy bonus, + KL to the reference, + PTX language
-        # modelling)
-        logprobs, logits = response_logprobs(
-            models.actor,
-            exp.sequences,
-            exp.attention_mask,
-            start,
-            cfg.actor.optim.compute_fp32_loss,
-            1.0 if ppo.greedy else ppo.temperature,
-            packing,
-        )
-        actor_loss, stats = algos.policy_loss(
-            logprobs,
-            exp.old_logprobs,
-            exp.advantages,
-            exp.response_mask,
-            clip_low,
-            ppo.dual_clip,
-            ppo.clip_high,
-            aggregation,
-        )
-        # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
-        with torch.set_grad_enabled(ppo.entropy_coef > 0):
-            per_token = algos.entropy_from_logits(logits.float())
-            entropy_term = algos.aggregate_loss(per_token, exp.response_mask, aggregation)
-        entropy = algos.masked_mean(per_token.detach(), exp.response_mask)
-        loss = actor_loss - ppo.entropy_coef * entropy_term
-        if ppo.kl_in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
-            kl_term = algos.kl_loss(
-                logprobs, exp.ref_logprobs, exp.response_mask, ppo.kl_estimator, aggregation
-            )
-            loss = loss + kl_coef * kl_term
-            out["kl_loss_sum"] += kl_term.item() * units
-        loss = loss * units * actor_scale
-        if ptx is not None:
-            unsup = ptx.loss(models.actor)
-            # DeepSpeed averages over ranks and divides by grad_accum: this leaves unsup_coef x
-            # the mean PTX loss of the global step
-            loss = loss + ppo.unsup_coef * unsup * ppo.grad_accum / len(micro)
-            out["unsup_loss"] += unsup.item()
-        if guard.finite(loss):
-            models.actor.backward(loss)
-        models.actor.step()  # every micro batch: DeepSpeed's accumulation boundaries stay aligned
+        if train_actor:
+            loss, stats = actor_loss(models, exp, cfg, kl_coef, aggregation, packing)
+            loss = loss * units * actor_scale
+            if ptx is not None:
+                unsup = ptx.loss(models.actor)
+                # DeepSpeed averages over ranks and divides by grad_accum: this leaves
+                # unsup_coef x the mean PTX loss of the global step
+                loss = loss + ppo.unsup_coef * unsup * ppo.grad_accum / len(micro)
+                out["unsup_loss"] += unsup.item()
+            if guard.finite(loss):
+                models.actor.backward(loss)
+            models.actor.step()  # every micro batch: DeepSpeed's accumulation stays aligned
+            for key in ("actor_loss", "kl_loss"):
+                out[f"{key}_sum"] += stats[key] * units
+            for key in ("approx_kl", "clipfrac", "entropy"):
+                out[f"{key}_sum"] += stats[key] * n
+            ratio_max = max(ratio_max, stats["ratio_max"])
         if models.critic is not None:  # critic: clipped value loss
             values = response_values(
                 models.critic, exp.sequences, exp.attention_mask, start, packing
@@ -440,12 +422,6 @@ def train_step(
             models.critic.step()
             out["critic_loss_sum"] += critic_loss.item() * n
             out["vf_clipfrac_sum"] += vstats["vf_clipfrac"].item() * n
-
-        out["actor_loss_sum"] += actor_loss.item() * units
-        out["approx_kl_sum"] += stats["approx_kl"].item() * n
-        out["clipfrac_sum"] += stats["clipfrac"].item() * n
-        out["entropy_sum"] += entropy.item() * n
-        ratio_max = max(ratio_max, stats["ratio_max"].item())
     keys = list(out)
     summed = all_reduce_sum(*(out[k] for k in keys))
     result = dict(zip(keys, summed))
@@ -457,3 +433,67 @@ def train_step(
         ratio_max=max_over_ranks(ratio_max),
     )
     return result
+
+
+def actor_loss(
+    models: Models, exp: Experience, cfg: Config, kl_coef: float, aggregation: str, packing
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A micro batch's actor loss, the mean over its tokens or answers (``aggregation``): the
+    policy loss (ppo.policy_loss), less the entropy bonus, plus with ppo.kl_in_loss kl_coef x
+    the KL to the reference; and its stats (actor_loss, kl_loss, approx_kl, clipfrac, entropy,
+    ratio_max)."""
+    ppo = cfg.ppo
+    start = exp.prompt_width - 1
+    temperature = 1.0 if ppo.greedy else ppo.temperature
+    fp32 = cfg.actor.optim.compute_fp32_loss
+    logprobs, logits = response_logprobs(
+        models.actor, exp.sequences, exp.attention_mask, start, fp32, temperature, packing
+    )
+    clip_low, clip_high = registry.clip_range(ppo)
+    token_loss, stats = registry.policy_loss(ppo).compute(
+        logprobs,
+        exp.old_logprobs,
+        exp.advantages,
+        exp.response_mask,
+        clip_low,
+        clip_high,
+        ppo.dual_clip,
+    )
+    max_tokens = max_new_tokens(cfg)
+    policy = algos.aggregate_loss(token_loss, exp.response_mask, aggregation, max_tokens)
+    # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
+    with torch.set_grad_enabled(ppo.entropy_coef > 0):
+        per_token = algos.entropy_from_logits(logits.float())
+        entropy_term = algos.aggregate_loss(per_token, exp.response_mask, aggregation, max_tokens)
+    loss = policy - ppo.entropy_coef * entropy_term
+    kl_term = torch.zeros(())
+    if ppo.kl_in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
+        ref_logits = None
+        if ppo.kl_estimator == "full":  # the reference's distributions, for this micro batch
+            with torch.no_grad():
+                _, ref_logits = response_logprobs(
+                    models.reference,
+                    exp.sequences,
+                    exp.attention_mask,
+                    start,
+                    fp32,
+                    temperature,
+                    packing,
+                )
+        kl_term = algos.kl_loss(
+            logprobs,
+            exp.ref_logprobs,
+            exp.response_mask,
+            ppo.kl_estimator,
+            aggregation,
+            logits,
+            ref_logits,
+            max_tokens,
+        )
+        loss = loss + kl_coef * kl_term
+    return loss, {
+        "actor_loss": policy.item(),
+        "kl_loss": kl_term.item(),
+        "entropy": algos.masked_mean(per_token.detach(), exp.response_mask).item(),
+        **{key: stats[key].item() for key in ("approx_kl", "clipfrac", "ratio_max")},
+    }

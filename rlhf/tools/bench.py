@@ -308,7 +308,7 @@ def launch(module_args: list[str], ranks: int) -> list[str]:
 
 
 # DeepSpeed-Chat's runs leave oneDNN's caches at the libraries' defaults (rlhf caps them: see
-# ONEDNN_CACHES in rlhf/__main__.py), so the baseline runs with those
+# ONEDNN_CACHES in rlhf/__init__.py), so the baseline runs with those
 BASELINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
 
 
