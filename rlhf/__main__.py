@@ -213,11 +213,11 @@ def _preflight(args: list[str]) -> None:
     dirs = [CONF_DIR, *([Path(parsed.config_dir).absolute()] if parsed.config_dir else [])]
     try:
         preflight.check_yaml_files(dirs)
+        made = ("hydra.sweep.dir",) if parsed.multirun else ("hydra.run.dir", "hydra.sweep.dir")
+        made = () if parsed.cfg or parsed.info else made  # printing the config makes no dir
         for override in OverridesParser.create().parse_overrides(parsed.overrides):
             value = override.value()
-            if override.key_or_group in ("hydra.run.dir", "hydra.sweep.dir") and isinstance(
-                value, str
-            ):
+            if override.key_or_group in made and isinstance(value, str):
                 preflight.check_output_dir(override.key_or_group, value)
     except ConfigError as err:
         _fail(err)
