@@ -42,6 +42,7 @@ def main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         print_help([a for a in sys.argv[1:] if a not in ("--help", "-h")])
         return
+    _adopt_slurm_ranks()
     _accept_local_rank_flag()
     _refuse_unknown_keys(sys.argv[1:])
     _preflight(sys.argv[1:])
@@ -157,7 +158,7 @@ def run_step(
 ) -> float | None:
     """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``,
     ``shared`` those that run in pipeline.share_dir)."""
-    from rlhf import dist, engine
+    from rlhf import checkpoint, dist, engine
     from rlhf.steps import all as pipeline
     from rlhf.steps.loop import RunInfo, TrainingStopped
 
@@ -168,6 +169,7 @@ def run_step(
         if note and dist.rank() == 0:
             log.info(note)
         dist.init_distributed(device)  # torn down at exit
+        checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
         if steps is not None:
             summary = pipeline.run(steps, info, shared)
@@ -183,6 +185,19 @@ def run_step(
         raise
     gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
+
+
+def _dirs_every_rank_reads(config: Config, run_dir: Path) -> dict[str, Path]:
+    """What rank 0 writes and every rank reads: checkpoints and exports, the built models and
+    the tokenised data, step=all's shared steps."""
+    dirs = {
+        "run_dir" if config.run_dir else "hydra.run.dir": run_dir,
+        "cache_dir": Path(config.cache_dir).expanduser(),
+        "data.cache_dir": Path(config.data.cache_dir).expanduser(),
+    }
+    if config.pipeline.share_dir is not None:
+        dirs["pipeline.share_dir"] = Path(config.pipeline.share_dir).expanduser()
+    return dirs
 
 
 def print_help(args: list[str]) -> None:
@@ -278,6 +293,14 @@ def _config_groups(config_dir: str | None) -> set[str]:
 
     dirs = [Path(CONF_DIR), *([Path(config_dir)] if config_dir else [])]
     return {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()}
+
+
+def _adopt_slurm_ranks() -> None:
+    """``srun`` of several tasks without torchrun: SLURM's tasks are the ranks."""
+    if "SLURM_STEP_ID" in os.environ and "RANK" not in os.environ:
+        from rlhf import dist
+
+        os.environ.update(dist.torch_env_from_slurm(os.environ))
 
 
 def _accept_local_rank_flag() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.dist import barrier, is_main, rank, world_size
+from rlhf.dist import barrier, is_main, rank, unshared_dirs, world_size
 from rlhf.files import dir_size, no_space_message, out_of_space
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,23 @@ RESUMABLE = (
 
 class CheckpointError(ConfigError):
     """Saving or loading a checkpoint failed; the message says why and what is left intact."""
+
+
+def require_shared(dirs: dict[str, Path]) -> None:
+    """Collective; before any work. Every rank must see the same ``dirs`` (a config key -> its
+    path): rank 0 writes a checkpoint's shared files, the exports and the caches that the other
+    ranks read, so a run directory on node-local scratch would end with checkpoints that miss
+    every other node's shards and RNG state, and a cache there with ranks that find no model."""
+    unshared = unshared_dirs(dirs)
+    if not unshared:
+        return
+    lines = [f"{key}={dirs[key]}: {why}" for key, why in unshared.items()]
+    raise ConfigError(
+        "several nodes need one run directory and one cache that every node mounts:\n  "
+        + "\n  ".join(lines)
+        + "\npoint them at a shared file system (NFS, Lustre, GPFS, ...); node-local scratch is "
+        "not supported"
+    )
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

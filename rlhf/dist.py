@@ -1,16 +1,30 @@
 """Ranks: who this process is, joining and leaving the process group, and the few collectives
 the loops need (sums, max, min over ranks, rank 0's object). Every helper also works without a
-process group (one process, as in unit tests)."""
+process group (one process, as in unit tests).
+
+Also: the ranks of an ``srun`` step (SLURM's tasks become torch.distributed's ranks), the check
+that every rank sees the same run directory, and a lock that lets one job at a time work in a
+directory other jobs share."""
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def is_initialized() -> bool:
@@ -120,3 +134,172 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- SLURM: the tasks of an srun step are the ranks ---------------------------------------------
+
+# MASTER_PORT under SLURM without reserved ports: below Linux's ephemeral range (32768-60999, where
+# the OS hands out the ports other programs connect from) and clear of torchrun's 29400 / 29500
+SLURM_PORTS = (10000, 29000)
+
+
+def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's variables for a task of an ``srun`` step of several tasks, one task a
+    rank (``srun --ntasks-per-node=G python -m rlhf ...``, and hydra/launcher=slurm's jobs).
+    Empty outside an srun step (a batch script's own shell has SLURM_PROCID=0 too, but no
+    SLURM_STEP_ID), for a step of one task, and under a launcher that set RANK (torchrun,
+    deepspeed). MASTER_ADDR / MASTER_PORT already set are kept."""
+    if "RANK" in environ or "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
+        return {}
+    world = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))
+    if world <= 1:
+        return {}
+    nodes = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+    env = {
+        "RANK": environ["SLURM_PROCID"],
+        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or node_address(first_node(nodes)),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(slurm_master_port(environ)),
+    }
+    per_node = tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = int(environ.get("SLURM_NODEID", "0"))
+    if node < len(per_node):
+        env["LOCAL_WORLD_SIZE"] = str(per_node[node])
+    return env
+
+
+def slurm_master_port(environ: Mapping[str, str]) -> int:
+    """The step's first reserved port (``srun --resv-ports``, MpiParams=ports=...), else one
+    derived from the job and step ids: the same on every task, different for jobs (an array's
+    tasks are jobs of their own) and steps running at once on a node."""
+    reserved = environ.get("SLURM_STEP_RESV_PORTS", "")
+    if reserved:
+        return int(re.split(r"[-,]", reserved)[0])
+    job = int(environ.get("SLURM_JOB_ID", "0"))
+    step_id = environ.get("SLURM_STEP_ID", "0")
+    step = int(step_id) if step_id.isdigit() else 0
+    low, high = SLURM_PORTS
+    slots = (high - low) // 10
+    return low + (job % slots) * 10 + step % 10
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu-[003-008,011],cpu1`` -> ``gpu-003``."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    return re.sub(r"\[([^-,\]]+)[^\]]*\]", r"\1", first)
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM_STEP_TASKS_PER_NODE (``2(x3),1``) as one count a node: [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            return []
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def node_address(node: str) -> str:
+    """Where the other nodes reach ``node``: SLURM's NodeAddr for it (a node's name need not
+    resolve), else the name itself."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "node", node, "--oneliner"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return node
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match[1] if match else node
+
+
+# --- directories every rank must share ----------------------------------------------------------
+
+
+def unshared_dirs(dirs: Mapping[str, Path], patience_s: float = 5.0) -> dict[str, str]:
+    """Collective. Each of ``dirs`` (a name -> the path as this rank's config resolves it) that
+    is not one directory for all ranks, and why: the ranks (and hosts) that do not see the file
+    rank 0 writes there (node-local scratch given as a run directory or a cache), or rank 0's
+    error writing it. ``patience_s``: how long a rank looks for the file (network file systems
+    may show it late)."""
+    if world_size() == 1:
+        return {}
+    probe = f".rlhf-shared-{from_main(uuid.uuid4().hex)}"
+    failed: dict[str, str] = {}
+    if is_main():
+        for name, path in dirs.items():
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                (Path(path) / probe).write_text(probe)
+            except OSError as err:
+                failed[name] = f"rank 0 cannot write there ({err})"
+    failed = from_main(failed)
+    barrier()
+    looked = [name for name in dirs if name not in failed]
+    blind = [name for name in looked if not _sees(Path(dirs[name]) / probe, probe, patience_s)]
+    everyone = gather_lists([(rank(), socket.gethostname(), blind)])
+    barrier()
+    if is_main():
+        for path in dirs.values():
+            (Path(path) / probe).unlink(missing_ok=True)
+    for name in looked:
+        ranks = [f"rank {r} on {host}" for r, host, names in everyone if name in names]
+        if ranks:
+            failed[name] = f"{', '.join(ranks)} cannot see what rank 0 writes there"
+    return failed
+
+
+def _sees(path: Path, text: str, patience_s: float) -> bool:
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            if path.read_text() == text:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+# --- one job at a time in a shared directory ------------------------------------------------------
+
+
+@contextmanager
+def exclusive(lock_file: Path, what: str, poll_s: float = 2.0) -> Iterator[None]:
+    """Collective. Hold ``lock_file`` (an OS file lock, taken by rank 0) while the block runs,
+    so the jobs that share a directory do ``what`` one at a time. A killed holder's lock goes
+    with its process: the next job takes over. The other ranks wait for rank 0 by polling, with
+    no collective timeout, since the holder may work for hours."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(lock_file)) if is_main() else None
+    holder = lock_file.with_name(lock_file.name + ".holder")  # who has it, for the others' log
+    waited = False
+    while True:
+        held = False
+        if lock is not None:
+            try:
+                held = lock.acquire(timeout=0) is not None
+            except Timeout:
+                held = False
+        if from_main(held):
+            break
+        if not waited and is_main():
+            who = holder.read_text().strip() if holder.is_file() else "another job"
+            log.info("waiting for %s to finish %s (lock: %s)", who, what, lock_file)
+        waited = True
+        time.sleep(poll_s)
+    if lock is not None:
+        job = os.environ.get("SLURM_JOB_ID")
+        where = f"host {socket.gethostname()} pid {os.getpid()}"
+        holder.write_text(where + (f" (SLURM job {job})" if job else "") + "\n")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

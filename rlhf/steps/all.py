@@ -12,7 +12,8 @@ SFT -> PPO and the critic starts from the SFT export.
 ``pipeline.share_dir=DIR``: the steps before the algorithm's own (SFT, the reward model) run in
 DIR/<step>-<hash of every key they read>, linked as <run_dir>/<step>; a later run (a sweep's
 next job) whose same step reads the same values finds it complete there and trains it no more,
-so PPO, GRPO and DPO start from one SFT model. Keys only later steps read (ppo.*, dpo.*, actor.*,
+so PPO, GRPO and DPO start from one SFT model; jobs running at once take turns (one trains,
+the others wait on a lock in the step's dir). Keys only later steps read (ppo.*, dpo.*, actor.*,
 critic.*, pipeline.*) and what resume=auto may change are left out of the hash. The code is not
 in it: after changing a step's code, give a new share_dir."""
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from hydra import compose
@@ -28,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.checkpoint import flat, resumable
 from rlhf.config import NOT_READ_BY, Config
-from rlhf.dist import is_main
+from rlhf.dist import exclusive, is_main
 from rlhf.steps import dpo, ppo, report, reward, sft
 from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain
@@ -139,14 +141,15 @@ def run(
         step_dir = step_dirs[step] = (shared or {}).get(step, info.run_dir / step)
         if step_dir != info.run_dir / step:
             _link(info.run_dir / step, step_dir)
-        if is_complete(step_dir, step):
-            log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
-            result = json.loads((step_dir / "summary.json").read_text())
-            skipped.add(step)
-        else:
-            log.info("step=all: running %s in %s", step, step_dir)
-            step_info = RunInfo(step_dir, f"{info.run_name}/{step}", group, resolved)
-            result = run_one(step, config, step_info, in_pipeline=True)
+        with _one_job_at_a_time(step_dir, step, step in (shared or {})):
+            if is_complete(step_dir, step):
+                log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
+                result = json.loads((step_dir / "summary.json").read_text())
+                skipped.add(step)
+            else:
+                log.info("step=all: running %s in %s", step, step_dir)
+                step_info = RunInfo(step_dir, f"{info.run_name}/{step}", group, resolved)
+                result = run_one(step, config, step_info, in_pipeline=True)
         summaries[step] = _written_summary(step_dir) or result
         summary.update({f"{step}/{k}": v for k, v in result.items()})
     if is_main():
@@ -174,6 +177,15 @@ def _written_summary(step_dir: Path) -> dict | None:
     """The step's summary.json (with the initial/... values the recipe's return leaves out)."""
     path = step_dir / "summary.json"
     return json.loads(path.read_text()) if is_main() and path.exists() else None
+
+
+def _one_job_at_a_time(step_dir: Path, step: str, shared: bool) -> AbstractContextManager:
+    """A shared step is trained by one job while the others sharing it wait (the jobs of a
+    SLURM sweep run at once), then found complete; a killed holder's lock is released."""
+    if not shared:
+        return nullcontext()
+    step_dir.mkdir(parents=True, exist_ok=True)
+    return exclusive(step_dir / ".lock", f"{step} in {step_dir}")
 
 
 def _link(link: Path, step_dir: Path) -> None:
