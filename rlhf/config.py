@@ -808,6 +808,7 @@ class DebugConfig:
     kill_at_step: int = -1  # SIGKILL this process after this step (and its checkpoint, if any)
     fail_at_step: int = -1  # raise an error at this step on rank fail_rank
     fail_rank: int = 0  # the rank that fail_at_step fails
+    step_sleep_s: float = 0.0  # sleep after each step: a run slow enough to meet a time limit
 
 
 @dataclass

@@ -1,13 +1,12 @@
 """Sweeps: the sweep files compose and sweep keys that exist; the rlhf launcher (one process group
-per job, failures recorded and the sweep goes on, several ranks a job) and its summary table; the
-SLURM option composes. The end-to-end sweeps are slow."""
+per job, failures recorded and the sweep goes on, several ranks a job) and its summary table
+(hydra/launcher=slurm: test_slurm.py). The end-to-end sweeps are slow."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-import pickle
 import re
 import subprocess
 import sys
@@ -18,7 +17,6 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlhf.config import register_configs
@@ -126,52 +124,6 @@ def test_installed_package_exposes_the_plugin_outside_the_repo(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "RlhfLauncher" in out.stdout
-
-
-def test_slurm_launcher_config_composes():
-    cfg = compose(["hydra/launcher=slurm", "step=sft"], hydra_config=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_ == (
-        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    )
-    assert launcher.tasks_per_node == launcher.gpus_per_node == 8  # one rank per GPU
-    raw = OmegaConf.to_container(launcher)  # unresolved: ${rlhf_now:...} is main()'s resolver
-    assert raw["submitit_folder"].startswith("${hydra.sweep.dir}/")
-    assert isinstance(instantiate(cfg.hydra.callbacks.slurm_ranks), mechanics.SlurmRanks)
-    sweep = compose_sweep("step1", ["hydra/launcher=slurm"], hydra_config=True)
-    assert sweep.hydra.launcher.nodes == 1 and sweep.hydra.sweeper.params
-    try:
-        from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
-    except ImportError:
-        return  # the `slurm` extra is not installed: composing is all that can be checked
-    known = set(OmegaConf.structured(SlurmQueueConf).keys())
-    assert set(launcher.keys()) <= known, set(launcher.keys()) - known
-
-
-def test_slurm_tasks_become_torch_ranks():
-    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77"}
-    ranks = mechanics.torch_env_from_slurm(env, "node-a")
-    assert ranks["RANK"] == "3" and ranks["LOCAL_RANK"] == "1" and ranks["WORLD_SIZE"] == "4"
-    assert ranks["MASTER_ADDR"] == "node-a" and 20000 <= int(ranks["MASTER_PORT"]) < 40000
-    assert mechanics.torch_env_from_slurm({**env, "SLURM_NTASKS": "1"}, "node-a") == {}
-    assert mechanics.torch_env_from_slurm({**env, "RANK": "0"}, "node-a") == {}  # torchrun's
-
-
-def test_slurm_task_resolves_the_sweeps_clock():
-    """A SLURM task unpickles the callback before it resolves ${rlhf_now:...} in the job dir."""
-    blob = pickle.dumps(mechanics.SlurmRanks()).hex()
-    code = (
-        "import pickle, sys; from omegaconf import OmegaConf;"
-        "assert not OmegaConf.has_resolver('rlhf_now');"
-        "pickle.loads(bytes.fromhex(sys.argv[1]));"
-        "print(OmegaConf.create({'d': '${rlhf_now:%Y-%m-%d_%H-%M-%S}'}).d)"
-    )
-    env = {**os.environ, "RLHF_RUN_TIME": "2001-02-03T04:05:06"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, blob], env=env, capture_output=True, text=True, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "2001-02-03_04-05-06"
 
 
 # --- the launcher: commands and processes ------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -30,6 +31,20 @@ from rlhf.tools import launcher as mechanics
 from rlhf.tools import sweep_summary
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedJob:
+    """A job of the sweep, ready to run: its config (None: it does not compose), dir, command
+    and the start of its job.json record."""
+
+    index: int
+    overrides: list[str]
+    sweep_config: DictConfig | None
+    job_dir: Path
+    command: list[str]
+    record: dict[str, Any]
+    shown: str  # its overrides, as the log shows them
 
 
 @dataclass
@@ -93,6 +108,11 @@ class RlhfLauncher(Launcher):
         finally:  # interrupted too: the table of the jobs that ran
             print(self._write_summary(sweep_dir), flush=True)
         log.info(f"Sweep summary: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}")
+        return self._report_failures(returns, failures, sweep_dir)
+
+    def _report_failures(
+        self, returns: list[JobReturn], failures: list[mechanics.JobFailed], sweep_dir: Path
+    ) -> list[JobReturn]:
         for err in failures:  # Hydra's sweeper raises the first one once all jobs have run
             err.args = (
                 f"{err.args[0]}\n{len(failures)} of {len(returns)} job(s) failed; "
@@ -103,11 +123,19 @@ class RlhfLauncher(Launcher):
     def _launch_one(
         self, idx: int, overrides: list[str]
     ) -> tuple[JobReturn, mechanics.JobFailed | None]:
+        job = self._prepare(idx, overrides)
+        log.info(f"\t#{idx} : {job.shown}  (log: {job.job_dir / sweep_summary.LOG_FILE})")
+        self.jobs.append((idx, job.job_dir))
+        result = mechanics.run_job_process(job.command, job.job_dir, job.record, self.timeout_s)
+        status = "COMPLETED" if result.ok else f"FAILED (exit status {result.returncode})"
+        log.info(f"\t#{idx} : {status} in {result.wall_s:.1f} s")
+        return self._job_return(job, result.ok, result.returncode, result.note)
+
+    def _prepare(self, idx: int, overrides: list[str]) -> PreparedJob:
+        """A job's config, dir and command (``python -m rlhf ...`` in its dir)."""
         assert self.config is not None
-        shown = " ".join(filter_overrides(overrides))
         sweep_config = self._sweep_config(idx, overrides)
         job_dir = self._job_dir(sweep_config, overrides)
-        log.info(f"\t#{idx} : {shown}  (log: {job_dir / sweep_summary.LOG_FILE})")
         args = [
             *mechanics.config_args(
                 OmegaConf.to_container(self.config.hydra.runtime.config_sources),
@@ -121,11 +149,8 @@ class RlhfLauncher(Launcher):
             args, job_dir, self.nproc_per_node, self.python, self._sweep_dir()
         )
         record = {"index": idx, "overrides": overrides, "nproc_per_node": self.nproc_per_node}
-        self.jobs.append((idx, job_dir))
-        result = mechanics.run_job_process(cmd, job_dir, record, self.timeout_s)
-        status = "COMPLETED" if result.ok else f"FAILED (exit status {result.returncode})"
-        log.info(f"\t#{idx} : {status} in {result.wall_s:.1f} s")
-        return self._job_return(idx, overrides, sweep_config, job_dir, result)
+        shown = " ".join(filter_overrides(overrides))
+        return PreparedJob(idx, overrides, sweep_config, job_dir, cmd, record, shown)
 
     def _sweep_config(self, idx: int, overrides: list[str]) -> DictConfig | None:
         """The job's composed config, or None when it does not compose (the job then runs and
@@ -169,29 +194,25 @@ class RlhfLauncher(Launcher):
         return [f"logger.group={Path(str(self.config.hydra.sweep.dir)).name}"]
 
     def _job_return(
-        self,
-        idx: int,
-        overrides: list[str],
-        sweep_config: DictConfig | None,
-        job_dir: Path,
-        result: mechanics.JobResult,
+        self, job: PreparedJob, ok: bool, returncode: int | None, note: str = ""
     ) -> tuple[JobReturn, mechanics.JobFailed | None]:
-        ret = JobReturn(overrides=overrides, working_dir=os.getcwd())
-        if sweep_config is not None:
-            ret.hydra_cfg = OmegaConf.masked_copy(sweep_config, "hydra")
-            ret.cfg = copy.deepcopy(sweep_config)
+        """Hydra's record of a job (``returncode`` None: the job left no exit status)."""
+        ret = JobReturn(overrides=job.overrides, working_dir=os.getcwd())
+        if job.sweep_config is not None:
+            ret.hydra_cfg = OmegaConf.masked_copy(job.sweep_config, "hydra")
+            ret.cfg = copy.deepcopy(job.sweep_config)
             with open_dict(ret.cfg):
                 del ret.cfg["hydra"]
-            ret.task_name = sweep_config.hydra.job.name
-        if result.ok:
+            ret.task_name = job.sweep_config.hydra.job.name
+        if ok:
             ret.status = JobStatus.COMPLETED
-            ret.return_value = mechanics.read_return_value(job_dir)
+            ret.return_value = mechanics.read_return_value(job.job_dir)
             return ret, None
-        why = f" ({result.note})" if result.note else ""
-        err = mechanics.JobFailed(
-            f"sweep job #{idx} exited with status {result.returncode}{why}; "
-            f"its log: {job_dir / sweep_summary.LOG_FILE}"
-        )
+        how = "failed" if returncode is None else f"exited with status {returncode}"
+        why = f" ({note})" if note else ""
+        log_file = job.job_dir / sweep_summary.LOG_FILE
+        where = f"its log: {log_file}" if log_file.exists() else f"its dir: {job.job_dir}"
+        err = mechanics.JobFailed(f"sweep job #{job.index} {how}{why}; {where}")
         ret.status, ret.return_value = JobStatus.FAILED, err
         return ret, err
 

@@ -149,7 +149,9 @@ class NonFiniteGuard:
 
 
 def inject_faults(debug, step: int) -> None:
-    """debug.fail_at_step raises on debug.fail_rank; debug.kill_at_step SIGKILLs every rank."""
+    """debug.fail_at_step raises on debug.fail_rank; debug.kill_at_step SIGKILLs every rank;
+    debug.step_sleep_s slows every step down."""
+    time.sleep(debug.step_sleep_s)
     if step == debug.fail_at_step and rank() == debug.fail_rank:
         raise RuntimeError(f"debug.fail_at_step={step}: injected failure on rank {rank()}")
     if step == debug.kill_at_step:

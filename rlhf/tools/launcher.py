@@ -7,8 +7,7 @@ several ranks, and a crash, an out-of-memory kill or a refused config fails that
 ``<job dir>/job.json`` records the job (overrides, command, status, exit code, wall time); the
 sweep summary reads it.
 
-Also here: :class:`SlurmRanks`, the callback that ``hydra/launcher=slurm`` (Hydra's submitit
-launcher) adds, so the SLURM tasks of one job become the ranks of one process group.
+``hydra/launcher=slurm`` runs the same command in each task of a SLURM job (rlhf/tools/slurm.py).
 Hydra imports this module while scanning plugins: nothing heavy at import time.
 """
 
@@ -24,13 +23,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from hydra.errors import CompactHydraException
-from hydra.experimental.callback import Callback
 
 from rlhf.tools.sweep_summary import JOB_FILE, LOG_FILE
 
@@ -130,24 +129,32 @@ def quote(value: str) -> str:
 
 
 def run_job_process(
-    cmd: list[str], job_dir: Path, record: dict[str, Any], timeout_s: float | None = None
+    cmd: list[str],
+    job_dir: Path,
+    record: dict[str, Any],
+    timeout_s: float | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+    ignored: tuple[int, ...] = (),
+    append: bool = False,
 ) -> JobResult:
     """Run one job in its own session, output to ``job.log``; keep ``job.json`` up to date.
-    Whatever the job leaves running in its process group is killed when it ends."""
+    Whatever the job leaves running in its process group is killed when it ends. ``on_start``
+    is given the process once started; the job ignores the signals ``ignored`` (a SLURM task's
+    warning signal, which its launcher handles); ``append``: job.log keeps the output of the
+    job's earlier runs (a requeued job)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     record = {**record, "command": cmd, "status": "RUNNING", "started": _now()}
     _write_record(job_dir, record)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the sweep's environment: DS_ACCELERATOR...
     started = time.perf_counter()
     note = ""
-    with open(job_dir / LOG_FILE, "w") as out:
+    with open(job_dir / LOG_FILE, "a" if append else "w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        proc = start_process(cmd, out, ignored)
         record["pid"] = proc.pid  # also the id of its process group
         _write_record(job_dir, record)
+        if on_start is not None:
+            on_start(proc)
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -164,6 +171,39 @@ def run_job_process(
     record.update(status=status, returncode=returncode, wall_s=result.wall_s, note=result.note)
     _write_record(job_dir, record)
     return result
+
+
+def start_process(cmd: list[str], out: Any, ignored: tuple[int, ...] = ()) -> subprocess.Popen:
+    """``cmd`` in a new session (its own process group), output to ``out``, in the sweep's
+    environment (DS_ACCELERATOR, ...), ignoring the signals ``ignored``."""
+
+    def ignore() -> None:
+        for signum in ignored:
+            signal.signal(signum, signal.SIG_IGN)
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=ignore if ignored else None,
+    )
+
+
+def write_record(job_dir: Path, updates: dict[str, Any]) -> dict[str, Any]:
+    """``job.json`` with ``updates``; returns the new record."""
+    record = {**_read_record(job_dir), **updates}
+    _write_record(job_dir, record)
+    return record
+
+
+def _read_record(job_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((job_dir / JOB_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def read_return_value(job_dir: Path) -> Any:
@@ -216,66 +256,3 @@ def _write_record(job_dir: Path, record: dict[str, Any]) -> None:
 
 def _now() -> str:
     return datetime.now().isoformat(timespec="seconds")
-
-
-# --- SLURM (hydra/launcher=slurm) --------------------------------------------------------------
-
-
-def torch_env_from_slurm(environ: dict[str, str], master_addr: str) -> dict[str, str]:
-    """torch.distributed's variables for one SLURM task: one task per rank (``tasks_per_node``
-    = GPUs per node). Empty outside SLURM, for a single task, or when a launcher set them."""
-    if "SLURM_PROCID" not in environ or "RANK" in environ:
-        return {}
-    world = int(environ.get("SLURM_NTASKS", "1"))
-    if world <= 1:
-        return {}
-    job_id = int(environ.get("SLURM_ARRAY_JOB_ID", environ.get("SLURM_JOB_ID", "0")))
-    task = int(environ.get("SLURM_ARRAY_TASK_ID", "0"))
-    return {
-        "RANK": environ["SLURM_PROCID"],
-        "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(20000 + (job_id + task) % 20000),  # the same on every task of a job
-    }
-
-
-def _run_time_resolver() -> None:
-    """``${rlhf_now:...}`` outside ``python -m rlhf`` (a SLURM task unpickles the sweep and
-    resolves its dirs): the sweep's clock, passed in RLHF_RUN_TIME."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("rlhf_now"):
-        stamp = os.environ.get("RLHF_RUN_TIME")
-        start = datetime.fromisoformat(stamp) if stamp else datetime.now()
-        OmegaConf.register_new_resolver("rlhf_now", start.strftime)
-
-
-class SlurmRanks(Callback):
-    """Hydra callback for the submitit launcher. On the submitting host: export the sweep's
-    clock so every SLURM task resolves the same sweep dir. In each task: register that clock's
-    resolver, and map SLURM's task ids to torch.distributed's RANK/WORLD_SIZE/MASTER_*."""
-
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.has_resolver("rlhf_now"):
-            now = OmegaConf.create({"t": "${rlhf_now:'%Y-%m-%dT%H:%M:%S.%f'}"}).t
-            os.environ.setdefault("RLHF_RUN_TIME", now)  # sbatch passes the environment on
-
-    def __reduce__(self) -> tuple:
-        return (_slurm_ranks_in_task, ())  # unpickled in a task: before it resolves the job dir
-
-    def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        try:
-            import submitit
-
-            master = submitit.JobEnvironment().hostnames[0]
-        except Exception:  # not under submitit: nothing to map
-            return
-        os.environ.update(torch_env_from_slurm(dict(os.environ), master))
-
-
-def _slurm_ranks_in_task() -> SlurmRanks:
-    _run_time_resolver()
-    return SlurmRanks()

@@ -1,0 +1,467 @@
+"""``hydra/launcher=slurm``'s mechanics (the Hydra plugin in ``hydra_plugins/rlhf_launcher`` is a
+shim): a sweep's jobs as one SLURM job array, submitted with submitit.
+
+Each SLURM task runs the job's command as the rlhf launcher does (``python -m rlhf <overrides>
+hydra.run.dir=<job dir>``): task 0 with its output in ``<job dir>/job.log`` and its record in
+``job.json``, the others into their SLURM logs; rlhf maps the tasks to ranks (rlhf/dist.py).
+A job that exits non-zero returns its exit status, so it is marked FAILED whether or not the
+cluster keeps accounting. The sweep reads each job's result file and ``squeue``'s state:
+
+- a job that ended without a result (cancelled, killed, a node failed) is FAILED with SLURM's state;
+- a job pending for a reason that can never clear (it asks for more than a node of the partition
+  has, or for longer than its time limit) is cancelled and FAILED with SLURM's reason;
+- SLURM's warning signal (``--signal=USR2@signal_delay_s``, sent before the time limit, and at
+  preemption with ``PreemptParameters=send_user_signal``) becomes a stop request: rlhf writes a
+  checkpoint and exits, and the task requeues the job, which resumes (``resume=auto``).
+  ``max_num_timeout`` bounds the requeues at a time limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
+
+from rlhf.tools import launcher as mechanics
+
+log = logging.getLogger(__name__)
+
+# submitit's sbatch parameters that are ours to set (the launcher conf's keys, as submitit calls
+# them); the rest of the launcher conf is the launcher's own
+SBATCH_KEYS = (
+    "partition",
+    "account",
+    "qos",
+    "constraint",
+    "exclude",
+    "comment",
+    "gres",
+    "nodes",
+    "cpus_per_task",
+    "cpus_per_gpu",
+    "gpus_per_task",
+    "mem_per_gpu",
+    "mem_per_cpu",
+    "signal_delay_s",
+    "additional_parameters",
+    "array_parallelism",
+    "setup",
+    "srun_args",
+    "stderr_to_stdout",
+)
+# job states after which a job runs no more (squeue --states=all, sacct)
+ENDED = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "REVOKED",
+    "SPECIAL_EXIT",
+    "TIMEOUT",
+}
+# why a job pends, when the reason cannot clear by waiting: SLURM would keep it pending forever
+NEVER_STARTS = {
+    "PartitionConfig": "it asks for more than any node of the partition has (tasks_per_node x "
+    "cpus_per_task, gpus_per_node, memory; `sinfo -o '%P %c %m %G'` shows what nodes have)",
+    "BadConstraints": "no node of the partition has the constraint, GRES or memory it asks for",
+    "PartitionTimeLimit": "timeout_min is over the partition's time limit (`sinfo -o '%P %l'`)",
+    "PartitionNodeLimit": "nodes is over (or under) what the partition allows",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "AccountNotAllowed": "the account may not use this partition",
+    "QOSNotAllowed": "the QOS may not use this partition",
+    "DependencyNeverSatisfied": "a dependency can never be met",
+}
+RESULT_GRACE_S = 30.0  # a result file may show up late on a network file system
+
+
+class SlurmError(CompactHydraException):
+    """The sweep cannot be submitted (a bad launcher value, sbatch refused it): the message
+    says why, without a traceback."""
+
+
+def sbatch_parameters(conf: dict[str, Any]) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for the launcher ``conf``: no GPU request on a CPU
+    partition (gpus_per_node null or 0), one task a GPU or one task a node, the partition's
+    default time limit unless timeout_min is set."""
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "timeout_min"):
+        value = conf.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise SlurmError(f"hydra.launcher.{key}={value!r}: expected a whole number >= 1")
+    gpus = conf.get("gpus_per_node") or None
+    params = {key: conf[key] for key in SBATCH_KEYS if conf.get(key) is not None}
+    params["ntasks_per_node"] = conf.get("tasks_per_node") or gpus or 1
+    params["job_name"] = conf.get("name") or "rlhf"
+    if gpus:
+        params["gpus_per_node"] = gpus
+    params["time"] = conf.get("timeout_min")  # None: no --time (submitit's own default is 5)
+    if conf.get("mem_gb"):
+        params["mem"] = f"{conf['mem_gb']}GB"
+    return params
+
+
+# --- in the job: one SLURM task ----------------------------------------------------------------
+
+
+@dataclass
+class SlurmTask:
+    """What submitit runs in every task of a job: the job's command (``cmd``), with task 0
+    keeping ``job_dir``'s job.log and job.json (``record``). Requeues itself when SLURM warns
+    of the time limit (``timeouts_left`` more times) or of preemption."""
+
+    cmd: list[str]
+    job_dir: str
+    record: dict[str, Any]
+    signal_delay_s: int
+    timeouts_left: int
+
+    def __call__(self) -> dict[str, Any]:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        warning = warning_signal()
+        stop = StopForwarder(warning)
+        try:
+            if env.global_rank == 0:
+                record = {
+                    **self.record,
+                    "slurm_job_id": env.job_id,
+                    "slurm_log": str(env.paths.stdout),
+                    "nodes": env.hostnames,
+                }
+                result = mechanics.run_job_process(
+                    self.cmd,
+                    Path(self.job_dir),
+                    record,
+                    on_start=stop.attach,
+                    ignored=(warning,),
+                    append=bool(self.record.get("requeues")),
+                )
+            else:
+                result = _run_quietly(self.cmd, stop.attach, (warning,))
+        finally:
+            stop.close()
+        if stop.requested and not result.ok:
+            return self._requeue(env, result)
+        if result.returncode in (128 + signal.SIGTERM, -signal.SIGTERM):
+            # SLURM stopped it (scancel, preemption, the time limit): no result, so that the
+            # sweep reads SLURM's verdict, or waits for the job SLURM requeues
+            raise SystemExit(result.returncode)
+        return {"returncode": result.returncode, "wall_s": result.wall_s, "note": result.note}
+
+    def checkpoint(self) -> Any:
+        """submitit's own requeue, for a warning that comes before the command starts."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self)
+
+    def _requeue(self, env: Any, result: mechanics.JobResult) -> dict[str, Any]:
+        """The command stopped at a checkpoint on SLURM's warning: requeue the job (task 0), and
+        leave no result, so the sweep waits for the requeued run."""
+        if env.global_rank != 0:
+            raise SystemExit(result.returncode)
+        timed_out = reached_time_limit(env.job_id, self.signal_delay_s)
+        job_dir = Path(self.job_dir)
+        if timed_out and self.timeouts_left <= 0:
+            note = "reached its time limit and was requeued max_num_timeout times already"
+            mechanics.write_record(job_dir, {"status": "FAILED", "note": note})
+            return {"returncode": result.returncode, "wall_s": result.wall_s, "note": note}
+        why = "its time limit" if timed_out else "preemption"
+        requeues = int(self.record.get("requeues", 0)) + 1
+        again = dataclasses.replace(
+            self,
+            record={**self.record, "requeues": requeues},
+            timeouts_left=self.timeouts_left - int(timed_out),
+        )
+        pickle = Path(env.paths.submitted_pickle)
+        tmp = pickle.with_name(pickle.name + ".tmp")
+        again.checkpoint().dump(tmp)
+        os.replace(tmp, pickle)  # what the requeued run unpickles
+        mechanics.write_record(
+            job_dir, {"status": "REQUEUED", "requeues": requeues, "note": f"requeued at {why}"}
+        )
+        subprocess.run(["scontrol", "requeue", env.job_id], check=True, timeout=60)
+        print(f"rlhf: requeued job {env.job_id} at {why}; it resumes from its checkpoint")
+        raise SystemExit(result.returncode)
+
+
+def warning_signal() -> int:
+    """The signal submitit asks SLURM to send before the time limit (sbatch --signal)."""
+    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+
+
+class StopForwarder:
+    """While a task's command runs, SLURM's warning signal becomes a SIGTERM to the command:
+    rlhf then writes a checkpoint and exits at the end of its current step."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.requested = False
+        self._proc: subprocess.Popen | None = None
+        self._previous = signal.signal(signum, self._handle)
+
+    def attach(self, proc: subprocess.Popen) -> None:
+        self._proc = proc
+        if self.requested:  # the warning came while the command was starting
+            self._forward()
+
+    def close(self) -> None:
+        signal.signal(self.signum, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        print(f"rlhf: signal {signal.Signals(signum).name}: stopping at a checkpoint", flush=True)
+        self.requested = True
+        self._forward()
+
+    def _forward(self) -> None:
+        # returncode, not poll(): no wait from inside a signal handler
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+
+
+def _run_quietly(
+    cmd: list[str], on_start: Callable[[subprocess.Popen], None], ignored: tuple[int, ...]
+) -> mechanics.JobResult:
+    """A task other than 0: the command with its output in the task's SLURM log."""
+    started = time.perf_counter()
+    sys.stdout.flush()
+    proc = mechanics.start_process(cmd, sys.stdout, ignored)
+    on_start(proc)
+    while True:
+        try:
+            returncode = proc.wait()
+            break
+        except InterruptedError:  # a signal handler ran
+            continue
+    return mechanics.JobResult(returncode, time.perf_counter() - started)
+
+
+def reached_time_limit(job_id: str, signal_delay_s: int) -> bool:
+    """Whether the warning signal was SLURM's time-limit warning (the job's time left is about
+    ``signal_delay_s``; SLURM sends it up to 30 s early) rather than a preemption's. Without an
+    answer from squeue: assume the time limit (it counts against max_num_timeout)."""
+    left = time_left_s(job_id)
+    return left is None or left <= signal_delay_s + 90
+
+
+def time_left_s(job_id: str) -> float | None:
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_duration(out)
+
+
+def parse_duration(text: str) -> float | None:
+    """SLURM's ``[days-]hours:minutes:seconds`` (or ``minutes:seconds``) in seconds; None for
+    UNLIMITED, NOT_SET and anything else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if match is None:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+# --- on the submitting host: submit and wait -----------------------------------------------------
+
+
+@dataclass
+class Submitted:
+    """A job of the sweep in SLURM: its index, dir and submitit job."""
+
+    index: int
+    job_dir: Path
+    job: Any  # submitit.slurm.slurm.SlurmJob
+    state: str = "PENDING"
+    reason: str = ""
+    ended_at: float | None = None  # when squeue first said it ended without a result
+
+
+@dataclass
+class Outcome:
+    returncode: int | None  # None: the job left no exit status (SLURM's state says why)
+    wall_s: float | None
+    note: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def submit(
+    tasks: Sequence[SlurmTask],
+    folder: str,
+    parameters: dict[str, Any],
+    python: str | None,
+) -> list[Any]:
+    """One job array of ``tasks``; submitit's jobs, in order. sbatch's refusal is a SlurmError
+    with its words."""
+    import shlex
+
+    import submitit
+    from submitit.core.utils import FailedJobError
+
+    executor = submitit.SlurmExecutor(
+        folder=folder, max_num_timeout=0, python=shlex.quote(python) if python else None
+    )
+    try:
+        executor.update_parameters(**parameters)
+    except ValueError as err:
+        raise SlurmError(f"hydra.launcher: {err}") from None
+    try:
+        with executor.batch():
+            jobs = [executor.submit(task) for task in tasks]
+    except FailedJobError as err:
+        raise SlurmError(
+            f"sbatch refused the sweep's jobs: {err}{_sbatch_hint(str(err))}"
+        ) from None
+    return jobs
+
+
+def _sbatch_hint(message: str) -> str:
+    if "gres" in message.lower():
+        return (
+            "\nhydra.launcher.gpus_per_node (or gres) asks for GPUs the partition does not have; "
+            "on a CPU partition leave gpus_per_node null"
+        )
+    if "node configuration is not available" in message:
+        return f"\n{NEVER_STARTS['PartitionConfig']}"
+    return ""
+
+
+def wait(
+    submitted: Sequence[Submitted],
+    on_end: Callable[[Submitted, Outcome], None],
+    poll_s: float,
+) -> None:
+    """Until every job has ended: ``on_end`` as each ends (from its result file, or SLURM's
+    state when it left none); a job that SLURM can never start is cancelled and ends."""
+    running = list(submitted)
+    while running:
+        states = job_states([s.job.job_id for s in running])
+        for item in list(running):
+            outcome = _outcome(item, states.get(item.job.job_id))
+            if outcome is not None:
+                running.remove(item)
+                on_end(item, outcome)
+        if running:
+            time.sleep(poll_s)
+
+
+def cancel(submitted: Sequence[Submitted]) -> None:
+    ids = [s.job.job_id for s in submitted]
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
+
+
+def _outcome(item: Submitted, state: tuple[str, str] | None) -> Outcome | None:
+    """The job's outcome, or None while it runs (logging each change of its state)."""
+    result = _read_result(item.job.paths.result_pickle)
+    if result is not None:
+        return result
+    name, reason = state or ("UNKNOWN", "")
+    if (name, reason) != (item.state, item.reason):
+        item.state, item.reason = name, reason
+        why = f" ({reason})" if reason and reason != "None" else ""
+        log.info(f"\t#{item.index} : SLURM job {item.job.job_id} {name}{why}")
+    if name == "PENDING" and reason in NEVER_STARTS:
+        cancel([item])
+        return Outcome(None, None, f"SLURM cannot start it ({reason}): {NEVER_STARTS[reason]}")
+    if name not in ENDED and name != "UNKNOWN":
+        item.ended_at = None
+        return None
+    item.ended_at = item.ended_at or time.monotonic()
+    if time.monotonic() - item.ended_at < RESULT_GRACE_S:
+        return None
+    where = item.job.paths.stdout
+    if name == "UNKNOWN":
+        return Outcome(None, None, f"SLURM no longer lists it and it left no result; see {where}")
+    return Outcome(None, None, f"SLURM: {name}{f' ({reason})' if reason else ''}; see {where}")
+
+
+def _read_result(path: Path) -> Outcome | None:
+    """Task 0's result file: (``success``, the task's dict) or (``error``, a traceback)."""
+    if not path.exists():
+        return None
+    from submitit.core.utils import pickle_load
+
+    try:
+        kind, value = pickle_load(path)
+    except Exception:  # being written
+        return None
+    if kind == "success":
+        return Outcome(value["returncode"], value["wall_s"], value["note"])
+    lines = [ln for ln in str(value).splitlines() if ln.strip()]
+    return Outcome(None, None, lines[-1] if lines else "the task raised an error")
+
+
+def job_states(job_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """(state, reason) of each job SLURM still lists (``squeue --states=all``, which keeps ended
+    jobs for MinJobAge), array tasks one by one; then ``sacct`` for the others, where the
+    cluster keeps accounting."""
+    if not job_ids:
+        return {}
+    arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
+    cmd = ["squeue", "-h", "-r", "--states=all", "-o", "%i|%T|%r", "-j", ",".join(arrays)]
+    states = _parse_states(_run(cmd))
+    missing = [j for j in job_ids if j not in states]
+    if missing:
+        cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State,Reason", "-j", ",".join(arrays)]
+        states.update({k: v for k, v in _parse_states(_run(cmd)).items() if k in missing})
+    return states
+
+
+def _parse_states(text: str) -> dict[str, tuple[str, str]]:
+    states = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 2:
+            # sacct writes "CANCELLED by 0"
+            states[parts[0]] = (
+                parts[1].split()[0] if parts[1] else "",
+                parts[2] if len(parts) > 2 else "",
+            )
+    return states
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def tasks_per_job(parameters: dict[str, Any]) -> int:
+    return int(parameters.get("nodes", 1)) * int(parameters["ntasks_per_node"])
+
+
+def pending_record(job_dir: Path, record: dict[str, Any], job_id: str, log_file: Path) -> None:
+    """job.json of a job just submitted: its SLURM id and where SLURM writes task 0's output."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    mechanics.write_record(job_dir, {**record, "slurm_job_id": job_id, "slurm_log": str(log_file)})
+
+
+def failed_record(job_dir: Path, outcome: Outcome) -> None:
+    """job.json of a job that ended without writing its own verdict."""
+    mechanics.write_record(
+        job_dir, {"status": "FAILED", "returncode": outcome.returncode, "note": outcome.note}
+    )

@@ -1,0 +1,140 @@
+"""hydra/launcher=slurm against a real SLURM (marked ``slurm``; see test_slurm.py): a job that meets
+its time limit checkpoints, requeues itself and resumes to the metrics of an uninterrupted run;
+the jobs of the algos sweep run at once and train their shared SFT model once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.scale_out import ONE_THREAD, command, run, slurm_cluster
+
+__all__ = ["slurm_cluster"]  # a fixture
+
+
+@pytest.fixture
+def job_name():
+    name = f"rlhf-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=60)
+
+
+class ReleaseRequeued(threading.Thread):
+    """SLURM holds a requeued job for about 2 minutes (its BeginTime); the test lets it start
+    at once, as ``scontrol update JobId=... StartTime=now`` lets a user."""
+
+    def __init__(self, job_name: str):
+        super().__init__(daemon=True)
+        self.job_name, self.released = job_name, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            out = subprocess.run(
+                ["squeue", "-h", "-r", f"--name={self.job_name}", "-t", "PD", "-o", "%i %r"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            for line in out.splitlines():
+                job_id, reason = line.split(maxsplit=1)
+                if reason.strip() == "BeginTime":
+                    subprocess.run(
+                        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                        capture_output=True,
+                        timeout=30,
+                    )
+                    self.released += 1
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+def _summary(run_dir: Path) -> dict:
+    return {k: v for k, v in read_summary(run_dir).items() if not k.startswith("perf/")}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_job_at_its_time_limit_requeues_and_resumes_to_the_same_metrics(
+    slurm_cluster, tmp_path, cache_dir, job_name
+):
+    """A 1-minute time limit and 30 steps of 2 s: SLURM's warning stops the job at a checkpoint
+    (at least once, while it trains), the job requeues itself and the next run resumes; every
+    logged row and the summary equal an uninterrupted run's (the same 30 steps, no sleep)."""
+    sweep_dir = tmp_path / "sweep"
+    small = [*FAST, "step.log_interval=1", "step.eval_interval=10", *cache_overrides(cache_dir)]
+    release = ReleaseRequeued(job_name)
+    release.start()
+    try:
+        argv = [
+            *command("slurm_requeue"),
+            *small,
+            "hydra.launcher.poll_s=1",
+            f"hydra.launcher.name={job_name}",
+            "hydra.launcher.max_num_timeout=4",
+            f"hydra.sweep.dir={sweep_dir}",
+        ]
+        proc = run(argv, timeout=560)
+    finally:
+        release.done.set()
+        release.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [job_dir] = [p for p in sweep_dir.iterdir() if (p / "job.json").is_file()]
+    record = json.loads((job_dir / "job.json").read_text())
+    log = (job_dir / "job.log").read_text()  # every run's output, one after the other
+    assert record["status"] == "COMPLETED" and record["requeues"] >= 1, record
+    assert log.count("stopped by signal 15 at step") >= 1  # a checkpoint while training
+    assert "resumed from" in log
+    assert release.released >= 1
+
+    reference = tmp_path / "reference"
+    run_rlhf(["step=sft", "step.max_steps=30", *small], reference, extra_env=ONE_THREAD)
+    rows = read_metrics(job_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 31))
+    assert _comparable(rows) == _comparable(read_metrics(reference))
+    assert _summary(job_dir) == _summary(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_the_algos_sweeps_parallel_jobs_train_their_shared_sft_once(
+    slurm_cluster, tmp_path, cache_dir, job_name
+):
+    """sweeps/algos.yaml under SLURM: two DPO jobs start together; one trains the shared SFT
+    model while the other waits for it (a lock in the shared step), then finds it complete."""
+    sweep_dir = tmp_path / "sweep"
+    argv = [
+        *command("slurm_algos"),
+        *FAST,
+        "step.max_steps=3",
+        "step.eval_at_start=false",
+        "debug.step_sleep_s=1",  # SFT takes long enough for the other job to wait on it
+        *cache_overrides(cache_dir),
+        "hydra.launcher.poll_s=1",
+        f"hydra.launcher.name={job_name}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    proc = run(argv, timeout=560)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (sweep_dir / "summary.md").read_text()
+    assert "2 completed" in md and "last/eval/gold_accuracy" in md  # the sweep's own columns
+    job_dirs = sorted(p for p in sweep_dir.iterdir() if (p / "job.json").is_file())
+    logs = [(d / "job.log").read_text() + (d / "__main__.log").read_text() for d in job_dirs]
+    trained = [log for log in logs if "step=all: running sft" in log]
+    skipped = [log for log in logs if "step=all: sft is complete" in log]
+    assert len(trained) == 1 and len(skipped) == 1, [d.name for d in job_dirs]
+    assert "to finish sft in" in skipped[0]  # the jobs overlapped: one waited for the other
+    [sft_dir] = (sweep_dir / "shared").glob("sft-*")
+    for job_dir in job_dirs:
+        assert (job_dir / "sft").resolve() == sft_dir.resolve()
+        assert (job_dir / "dpo" / "model" / "config.json").is_file()
