@@ -20,11 +20,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
+from rlhf.roles import share_command_line, unread_problems
 from rlhf.validate import (
     check_launch,
     fit_lengths,
     positions,
-    ppo_model_value_problems,
     raise_problems,
     resume_problem,
     validated,
@@ -46,6 +46,7 @@ def main() -> None:
     _accept_local_rank_flag()
     _refuse_unknown_keys(sys.argv[1:])
     _preflight(sys.argv[1:])
+    _show_config_as_run()
     _share_run_time()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     register_configs()
@@ -56,7 +57,10 @@ def main() -> None:
 def _hydra_main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     info_dir = None
+    overrides = list(hydra_cfg.overrides.task)
+    share_command_line(cfg, overrides)
     try:
+        raise_problems(unread_problems(cfg.step.name, overrides), "step=ppo")
         config = validated(cfg)
         known = positions(config)  # step=all: the SFT model's, which the later models share
         fitted = fit_lengths(cfg, config, known)
@@ -65,14 +69,14 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if config.step.name == "all":
             from rlhf.steps import all as pipeline
 
-            user = [o for o in hydra_cfg.overrides.task if not o.startswith(("step=", "hydra."))]
+            user = [o for o in overrides if not o.startswith(("step=", "hydra."))]
             composed = pipeline.compose_steps(config, user, hydra_cfg.job.config_name, info_dir)
             shared = pipeline.shared_dirs(composed)
             produced = pipeline.exports(info_dir, composed, shared)
             steps = {name: _step_config(c, produced, known) for name, c in composed.items()}
         for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
             check_launch(step_config)
-        _check_before_writing(config, steps, info_dir, list(hydra_cfg.overrides.task), shared)
+        _check_before_writing(config, steps, info_dir, shared)
     except ConfigError as err:
         _fail(err)
     _save_hydra_files(cfg)
@@ -91,13 +95,10 @@ def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Co
     return config, _resolved(cfg)
 
 
-def _check_before_writing(
-    config: Config, steps: dict | None, run_dir: Path, overrides: list[str], shared: dict
-) -> None:
-    """Top-level model values step=ppo would not read, pipeline.share_dir outside step=all, and
-    resume=auto into a run directory another config's checkpoints are in (step=all: each step's
-    own directory, a shared step's in pipeline.share_dir)."""
-    raise_problems(ppo_model_value_problems(config.step.name, overrides), "step=ppo")
+def _check_before_writing(config: Config, steps: dict | None, run_dir: Path, shared: dict) -> None:
+    """pipeline.share_dir outside step=all, and resume=auto into a run directory another
+    config's checkpoints are in (step=all: each step's own directory, a shared step's in
+    pipeline.share_dir)."""
     if steps is None and config.pipeline.share_dir is not None:
         raise ConfigError(
             f"pipeline.share_dir={config.pipeline.share_dir!r}: only step=all reads it "
@@ -236,6 +237,29 @@ def _preflight(args: list[str]) -> None:
                 preflight.check_output_dir(override.key_or_group, value)
     except ConfigError as err:
         _fail(err)
+
+
+def _show_config_as_run() -> None:
+    """--cfg: Hydra composes and prints the config itself; what it prints must be what a run
+    gets, so its composition shares the command line's top-level values with PPO's models as a
+    run does (rlhf.roles), and --cfg job prints the values, not the interpolations that make
+    them."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import get_args_parser
+
+    parsed, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    if parsed.cfg is None:
+        return
+    if parsed.cfg == "job" and not parsed.resolve:
+        sys.argv.append("--resolve")
+    compose_config = Hydra.compose_config
+
+    def composed_as_run(self, config_name, overrides, *args, **kwargs):
+        cfg = compose_config(self, config_name, overrides, *args, **kwargs)
+        share_command_line(cfg, overrides)
+        return cfg
+
+    Hydra.compose_config = composed_as_run
 
 
 def _fail(err: ConfigError) -> None:

@@ -266,15 +266,16 @@ class LoraConfig:
 
 @dataclass
 class RoleOptimConfig:
-    """An optimizer: AdamW and a transformers scheduler. PPO's actor and critic each have one;
-    their batch sizes and epochs are PPO-wide (see PPOConfig)."""
+    """An optimizer: AdamW and a transformers scheduler. PPO's actor and critic each have one
+    (the top-level optim's unless set for the role); their batch sizes and epochs are PPO-wide
+    (see PPOConfig)."""
 
-    lr: float = 1e-4  # peak learning rate (DeepSpeed-Chat's opt-1.3b recipe: 9.65e-6 / 5e-6)
+    lr: float = 1e-3  # peak learning rate (each step sets its own: conf/step/*.yaml)
     weight_decay: float = 0.0  # not applied to biases and LayerNorm weights
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's beta1, beta2
     eps: float = 1e-8  # AdamW's epsilon
     scheduler: str = "cosine"  # any transformers SchedulerType
-    warmup_steps: int = 5  # learning-rate warmup in optimizer steps
+    warmup_steps: int = 0  # learning-rate warmup in optimizer steps
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     max_grad_norm: float = 1.0  # 0 disables clipping
     compute_fp32_loss: bool = False  # upcast logits to fp32 for the loss under bf16/fp16
@@ -299,10 +300,9 @@ class RoleOptimConfig:
 
 @dataclass
 class OptimConfig(RoleOptimConfig):
-    """SFT and reward training: the optimizer, batch sizes and the number of epochs."""
+    """SFT and reward training: the optimizer, batch sizes and the number of epochs (step=ppo:
+    the optimizer its models share)."""
 
-    lr: float = 1e-3  # peak learning rate (step=reward: 2e-4)
-    warmup_steps: int = 0  # learning-rate warmup in optimizer steps
     epochs: int = 3  # passes over the step's training rows
     micro_batch_size: int = 16  # per device, per forward pass (DeepSpeed-Chat's per_device_*)
     eval_micro_batch_size: int = 64  # rows per evaluation forward pass
@@ -414,9 +414,11 @@ GENERATION_CACHES = ("dynamic", "static")
 
 @dataclass
 class RoleConfig:
-    """One trained PPO model: its own model, ZeRO, LoRA and optimizer settings. Its frozen twin
-    (the reference model for the actor, the reward model for the critic) loads from the same
-    path at the same ZeRO stage."""
+    """One trained PPO model: its own model, ZeRO, LoRA and optimizer settings. Each key is the
+    top-level one (zero.offload, lora.rank, optim.lr, model.dtype ...) unless set for the role
+    (conf/config.yaml, rlhf/roles.py); which model it is (path, tokenizer, dropout) is its own.
+    Its frozen twin (the reference model for the actor, the reward model for the critic) loads
+    from the same path at the same ZeRO stage."""
 
     # the model (model@actor.model follows the top-level model option); dropout 0: PPO's
     # old log-probs and values come from the same function the update trains

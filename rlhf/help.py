@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from rlhf import config as schema
 from rlhf import preflight
+from rlhf.roles import share_command_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -219,6 +220,7 @@ def composed_for_help(args: list[str]) -> tuple[dict[str, Any], list[str]]:
         HydraConfig.instance().set_config(cfg)  # a sweep file's ${hydra:...} values resolve
         with open_dict(cfg):
             del cfg["hydra"]
+        share_command_line(cfg, overrides)  # PPO's models as a run composes them
         return OmegaConf.to_container(cfg, resolve=True), filters
     except (HydraException, OmegaConfBaseException) as err:
         raise schema.ConfigError(preflight.composition_error(err)) from None

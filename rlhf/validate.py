@@ -4,7 +4,6 @@ source, the hybrid engine on this machine, and the models a step will load.
 
 :func:`validated` converts a composed config and reports every problem of the schema and of
 these checks at once. The model checks: each local model directory must hold a
-``config.json``; each local model directory must hold a
 ``config.json``; a model the step trains or samples as a causal LM must not be a reward model
 (a ``*ForSequenceClassification`` export); and its tokenizer must not have more tokens than the
 model has embeddings (``model.tokenizer`` pointing at another model's tokenizer).
@@ -14,9 +13,8 @@ load here (in the local cache, or the hub answers), not for its contents. The ti
 (``path: null``) is built from its tokenizer, so it always matches.
 
 What a config would otherwise do silently is caught here too: unknown keys added with ``+``,
-offload where DeepSpeed ignores it, top-level ``model.*`` keys step=ppo does not read, a run
-directory whose checkpoint another config made (``resume_problem``), a stale DeepSpeed build
-lock, W&B online without a key; and lengths past the model's positions are cut to fit
+offload where DeepSpeed ignores it, a run directory whose checkpoint another config made
+(``resume_problem``), a stale DeepSpeed build lock, W&B online without a key; and lengths past the model's positions are cut to fit
 (``fit_lengths``), with a line saying so.
 
 The ``*_problem`` functions are pure: they take what was read and return a message or None.
@@ -483,13 +481,10 @@ def check_launch(config: Config) -> None:
 
 
 # --- what a user's config would otherwise do silently: rows longer than the model's positions,
-# offload where DeepSpeed ignores it, hub ids that cannot load, top-level model keys PPO does not
-# read, a run directory that holds another config's checkpoints -------------------------------
+# offload where DeepSpeed ignores it, hub ids that cannot load, a run directory that holds
+# another config's checkpoints ---------------------------------------------------------------
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
-# top-level model.* keys that would pick or shape one model: step=ppo has two, each with its
-# own key (model.dtype and the other ways to run a model reach both: conf/config.yaml)
-PPO_ROLE_MODEL_KEYS = ("path", "tokenizer", "dropout")
 
 
 def _trained(config: Config) -> list[tuple[str, ModelConfig, Any]]:
@@ -695,22 +690,6 @@ def launch_problems(config: Config) -> list[str]:
         out.append(cpu_adam_lock_problem(f"{offloaded[0]}zero.offload"))
     out.append(wandb_problem(config.logger))
     return [p for p in out if p]
-
-
-def ppo_model_value_problems(step: str, overrides: list[str]) -> list[str]:
-    """step=ppo trains actor.model and critic.model: a top-level model.path, model.tokenizer
-    or model.dropout would change neither. Refused, with the role keys to set."""
-    if step != "ppo":
-        return []
-    out = []
-    for line in overrides:
-        name = line.lstrip("+").split("=", 1)[0].removeprefix("model.")
-        if name in PPO_ROLE_MODEL_KEYS and line.lstrip("+").startswith("model."):
-            out.append(
-                f"{line}: step=ppo does not read model.{name}: the actor and the critic each "
-                f"have one (actor.model.{name}, critic.model.{name}); set those"
-            )
-    return out
 
 
 def resume_problem(config: Config, run_dir: Path, unread: tuple[str, ...] = ()) -> str | None:

@@ -5,6 +5,7 @@ their ZeRO stage (or sit offloaded); and their save_pretrained exports."""
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +36,8 @@ from rlhf.models import (
 )
 from rlhf.rl.ema import EMA
 from rlhf.rl.rewards import RewardFunction
+
+log = logging.getLogger(__name__)
 
 
 class Models(NamedTuple):
@@ -100,6 +103,9 @@ def build_models(
         dtype,
         shape.micro_batch_size,
     )
+    for role, engine in (("actor", actor), ("critic", critic)):
+        if engine is not None:
+            log.info("%s: %s", role, engine_summary(engine))
     if ppo.reward_function is not None:
         reward = RewardFunction(ppo.reward_function, tokenizer)
     else:
@@ -137,6 +143,30 @@ def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn
         critic, critic_conf, cfg.critic.optim, cfg.critic.lora, cfg.critic.zero.offload, updates
     )
     return engine, critic_config
+
+
+def engine_summary(engine) -> str:
+    """What DeepSpeed built for a trained model, read from the engine itself: its ZeRO stage,
+    where the optimizer state lives, the LoRA rank of its adapted layers, the trainable
+    parameters and the peak learning rates, e.g. "ZeRO-3, offload=cpu (DeepSpeedCPUAdam),
+    LoRA rank 64 on 24 layers, 98,304 trainable parameters, lr 5e-06 / 0.001"."""
+    offload = "cpu" if engine.zero_cpu_offload() else "none"
+    optimizer = type(engine.inner_optimizer).__name__
+    ranks = sorted({m.r["default"] for m in engine.module.modules() if _is_lora_layer(m)})
+    layers = sum(1 for m in engine.module.modules() if _is_lora_layer(m))
+    lora = f"LoRA rank {'/'.join(map(str, ranks))} on {layers} layers" if ranks else "no LoRA"
+    trainable = sum(
+        getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad
+    )
+    lrs = " / ".join(f"{lr:g}" for lr in sorted(set(engine.lr_scheduler.base_lrs)))
+    return (
+        f"ZeRO-{engine.zero_optimization_stage()}, offload={offload} ({optimizer}), {lora}, "
+        f"{trainable:,} trainable parameters, lr {lrs}"
+    )
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "r", None), dict) and "default" in module.r
 
 
 def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_dir: Path) -> None:

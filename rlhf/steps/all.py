@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.checkpoint import flat, resumable
 from rlhf.config import NOT_READ_BY, Config
 from rlhf.dist import exclusive, is_main
+from rlhf.roles import share_command_line
 from rlhf.steps import dpo, ppo, report, reward, sft
 from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain
@@ -57,13 +58,23 @@ def step_overrides(
     where = {"sft": run_dir / "sft", "reward": run_dir / "reward", **(dirs or {})}
     sft_model = where["sft"] / "model"
     if step == "reward":
-        return [f"model.path={sft_model}"] if reward_from_sft else []
+        return [path_override("model.path", sft_model)] if reward_from_sft else []
     if step == "ppo":
         critic = where["reward"] / "model" if with_reward else sft_model
-        return [f"actor.model.path={sft_model}", f"critic.model.path={critic}"]
+        return [
+            path_override("actor.model.path", sft_model),
+            path_override("critic.model.path", critic),
+        ]
     if step == "dpo":  # the policy and its reference
-        return [f"model.path={sft_model}"]
+        return [path_override("model.path", sft_model)]
     return []
+
+
+def path_override(key: str, path: Path) -> str:
+    """``key=path`` as Hydra parses it: quoted, since a sweep's job dirs are named like
+    ``zero=stage3,lora=r8`` and an unquoted = or , in a value is a syntax error."""
+    quote = '"' if "'" in str(path) else "'"
+    return f"{key}={quote}{path}{quote}"
 
 
 def compose_steps(
@@ -73,7 +84,10 @@ def compose_steps(
     without ``step=`` and ``hydra.`` ones)."""
 
     def composed(step: str, extra: list[str]) -> DictConfig:
-        return compose(config_name=config_name, overrides=[*user_overrides, f"step={step}", *extra])
+        overrides = [*user_overrides, f"step={step}", *extra]
+        cfg = compose(config_name=config_name, overrides=overrides)
+        share_command_line(cfg, overrides)  # as in a run of that step alone
+        return cfg
 
     steps = config.pipeline.steps
     with_reward = "ppo" in steps and composed("ppo", []).ppo.reward_function is None

@@ -515,11 +515,9 @@ def measure(section: str, args, data: Path, actor: str, critic: str) -> dict[str
     modes = section_modes(section, args, actor, critic)
     steps = section_steps(section, args)
     accum = 1 if section == "mfu" else None  # a 25M model: steps of one micro batch
-    shared = [
-        *data_overrides(args, data),
-        *run_overrides(args, steps),
-        *batch_overrides(args, accum),
-    ]
+    # PPO's batches are ppo.* (set by section_modes); step=ppo refuses optim's batch keys
+    batches = batch_overrides(args, accum) if section != "ppo" else []
+    shared = [*data_overrides(args, data), *run_overrides(args, steps), *batches]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
         for mode, overrides in modes.items():

@@ -1,0 +1,205 @@
+"""One rule for the keys PPO's models share with the top level (rlhf/roles.py): a top-level
+``zero.*``, ``lora.*``, ``optim.*`` or ``model.*`` value reaches the actor and the critic unless
+set for the role, in step=ppo and in step=all's PPO step, or is refused by name; ``--cfg job``
+shows the result. The slow test sweeps zero.offload and lora.rank through both and reads what
+DeepSpeed built in each job."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import hydra
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from rlhf.config import register_configs
+from rlhf.roles import SHARED_GROUPS, share_command_line, shared_keys, unread_problems
+from rlhf.steps.all import compose_steps, path_override
+from rlhf.validate import dropout_problems, validated
+from tests.conftest import CONF_DIR, FAST, cache_overrides, compose, run_rlhf
+
+register_configs()
+ROLES = ("actor", "critic")
+
+
+def cfg_job(args: list[str]) -> dict:
+    proc = run_rlhf([*args, "--cfg", "job"], check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def composed(overrides: list[str]):
+    """As a run composes: Hydra, then the command line's values shared with the roles."""
+    cfg = compose(overrides)
+    share_command_line(cfg, overrides)
+    return cfg
+
+
+def test_config_yaml_lets_every_shared_key_follow_the_top_level():
+    """A schema key added to zero/lora/optim/model must reach PPO's models too."""
+    roles = OmegaConf.load(CONF_DIR / "config.yaml")
+    for role in ROLES:
+        for group in SHARED_GROUPS:
+            expected = {key: f"${{{group}.{key}}}" for key in shared_keys(group)}
+            assert OmegaConf.to_container(roles[role][group]) == expected, (role, group)
+
+
+def test_cfg_job_shows_top_level_values_in_both_ppo_models():
+    shared = ["zero=stage3", "zero.offload=true", "lora=r8", "lora.rank=64", "lora.dropout=0.1"]
+    c = cfg_job(["step=ppo", *shared, "optim.lr=5e-6", "model.dtype=bf16"])
+    for role in ROLES:
+        r = c[role]
+        assert (r["zero"]["stage"], r["zero"]["offload"]) == (3, True), role
+        assert (r["lora"]["rank"], r["lora"]["alpha"], r["lora"]["dropout"]) == (64, 16, 0.1)
+        assert (r["optim"]["lr"], r["model"]["dtype"]) == (5e-6, "bf16"), role
+        assert r["model"]["dropout"] == 0.0  # PPO's own: never the top level's
+
+
+def test_a_role_value_wins_over_the_top_level_one():
+    top = ["zero=stage2", "zero.offload=true", "optim.lr=1e-5", "lora.rank=4"]
+    own = ["actor.zero.offload=false", "critic.optim.lr=2e-6", "zero@critic.zero=stage3"]
+    c = cfg_job(["step=ppo", *top, *own, "lora@actor.lora=r8"])
+    assert (c["actor"]["zero"]["offload"], c["critic"]["zero"]["offload"]) == (False, True)
+    assert (c["actor"]["optim"]["lr"], c["critic"]["optim"]["lr"]) == (1e-5, 2e-6)
+    assert (c["actor"]["zero"]["stage"], c["critic"]["zero"]["stage"]) == (2, 3)
+    assert (c["actor"]["lora"]["rank"], c["critic"]["lora"]["rank"]) == (8, 4)
+
+
+def test_the_command_line_beats_what_an_experiment_sets_for_a_role():
+    recipe = composed(["experiment=opt-1.3b-350m", "step=ppo"])
+    assert (recipe.actor.optim.lr, recipe.critic.optim.lr) == (9.65e-6, 5e-6)
+    c = composed(["experiment=opt-1.3b-350m", "step=ppo", "optim.lr=1e-5"])
+    assert (c.actor.optim.lr, c.critic.optim.lr) == (1e-5, 1e-5)
+    # a group choice sets every key of its group: the actor's and the critic's too
+    c = composed(["experiment=opt-1.3b-350m", "step=ppo", "lora=r8"])
+    assert (c.actor.lora.rank, c.critic.lora.rank) == (8, 8)
+
+
+def test_top_level_values_in_a_config_file_reach_the_roles(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - config\n  - _self_\n  - override step: ppo\n"
+        "zero:\n  stage: 3\n  offload: true\nlora:\n  rank: 4\n"
+    )
+    c = cfg_job(["-cd", str(tmp_path), "-cn", "mine"])
+    for role in ROLES:
+        assert (c[role]["zero"]["stage"], c[role]["zero"]["offload"]) == (3, True)
+        assert c[role]["lora"]["rank"] == 4
+
+
+def test_step_all_composes_each_step_with_the_shared_values(tmp_path):
+    user = ["zero=stage2", "zero.offload=true", "lora=r8", "lora.rank=4", "optim.lr=3e-5"]
+    config = validated(compose(user))
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        steps = compose_steps(config, user, "config", tmp_path)
+    ppo = steps["ppo"]
+    for role in ROLES:
+        assert (ppo[role].zero.offload, ppo[role].lora.rank, ppo[role].optim.lr) == (True, 4, 3e-5)
+    assert (steps["sft"].zero.offload, steps["sft"].lora.rank) == (True, 4)
+
+
+def test_help_shows_the_shared_values():
+    proc = run_rlhf(["step=ppo", "lora.rank=64", "--help"], check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shown = {ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("  ")}
+    assert {"actor.lora.rank=64", "critic.lora.rank=64", "lora.rank=64"} <= shown
+
+
+def test_a_top_level_key_no_ppo_model_reads_is_refused_by_name():
+    problems = unread_problems("ppo", ["optim.epochs=2", "optim.lr=1e-5", "model.path=x"])
+    assert len(problems) == 2
+    assert problems[0].startswith("optim.epochs=2: step=ppo does not read optim.epochs")
+    assert "ppo.epochs" in problems[0]
+    assert problems[1].startswith("model.path=x: step=ppo does not read model.path")
+    # step=all's SFT and reward steps read them
+    assert unread_problems("all", ["optim.epochs=2", "model.path=x"]) == []
+
+
+def test_refused_before_anything_loads(tmp_path):
+    paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+    run_dir = tmp_path / "run"
+    proc = run_rlhf(
+        ["step=ppo", "optim.micro_batch_size=4", *paths], run_dir, check=False, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "optim.micro_batch_size=4: step=ppo does not read" in proc.stderr
+    assert not (run_dir / ".hydra").exists()
+
+
+def test_lora_dropout_reaches_the_ppo_models_and_is_refused(tmp_path):
+    """Before the rule, lora.dropout=0.1 never reached them, so it was not even refused."""
+    paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+    config = validated(composed(["step=ppo", "lora=r8", "lora.dropout=0.1", *paths]))
+    for role in ROLES:
+        trained = getattr(config, role)
+        [problem] = dropout_problems(role, trained.model, trained.lora, {"dropout": 0.0})
+        assert problem.startswith(f"{role}.lora.dropout=0.1: expected 0.0")
+
+
+# --- the real thing: a sweep through step=all and step=ppo, and what DeepSpeed built -----------
+
+TINY_RUN = [
+    *FAST,
+    "step.max_steps=2",
+    "step.eval_at_start=false",
+    "data.max_eval_rows=16",
+    "sft.gold_eval_prompts=4",
+    "reward.gold_eval_prompts=4",
+    "ppo.per_device_generation_batch_size=4",
+    "ppo.per_device_training_batch_size=4",
+    "ppo.max_new_tokens=8",
+    "ppo.eval_prompts=4",
+    "ppo.eval_samples=1",
+    "zero=stage2",
+    "lora=r8",
+]
+ENGINE = re.compile(r"\] - (actor|critic): ZeRO-(\d), offload=(\w+) \(\w+\), LoRA rank (\d+) ")
+
+
+def engines(job_dir: Path) -> dict[str, tuple[int, str, int]]:
+    """What the PPO run in ``job_dir`` logged of its engines: role -> (stage, offload, rank)."""
+    found = {}
+    for line in (job_dir / "__main__.log").read_text().splitlines():
+        if m := ENGINE.search(line):
+            found[m[1]] = (int(m[2]), m[3], int(m[4]))
+    return found
+
+
+def sweep(tmp_path: Path, name: str, overrides: list[str], cache_dir: Path) -> Path:
+    sweep_dir = tmp_path / name
+    run_rlhf(
+        ["-m", *TINY_RUN, *overrides, *cache_overrides(cache_dir), f"hydra.sweep.dir={sweep_dir}"],
+        timeout=1200,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    return sweep_dir
+
+
+@pytest.mark.slow
+def test_a_sweep_moves_offload_and_lora_rank_in_every_ppo_job(tmp_path, cache_dir):
+    """4 jobs of step=all (tiny: 2 steps each), then 4 of step=ppo from the first one's exports;
+    each job's PPO engines have its offload and LoRA rank (before: the same in every job)."""
+    axes = ["zero.offload=false,true", "lora.rank=4,8"]
+    pipelines = sweep(tmp_path, "all", ["step=all", *axes], cache_dir)
+    first = job_dirs(pipelines)[("false", "4")]
+    exports = [
+        path_override("actor.model.path", first / "sft" / "model"),
+        path_override("critic.model.path", first / "reward" / "model"),
+    ]
+    ppo = sweep(tmp_path, "ppo", ["step=ppo", *axes, *exports], cache_dir)
+    for sweep_dir in (pipelines, ppo):
+        jobs = job_dirs(sweep_dir)
+        assert set(jobs) == {(o, r) for o in ("false", "true") for r in ("4", "8")}
+        for (offload, rank), job in jobs.items():
+            want = (2, "cpu" if offload == "true" else "none", int(rank))
+            assert engines(job) == {"actor": want, "critic": want}, job
+
+
+def job_dirs(sweep_dir: Path) -> dict[tuple[str, str], Path]:
+    """(zero.offload, lora.rank) as each job of the sweep was given them -> its directory."""
+    out = {}
+    for overrides in sweep_dir.glob("*/.hydra/overrides.yaml"):
+        given = dict(line.split("=", 1) for line in yaml.safe_load(overrides.read_text()))
+        out[(given["zero.offload"].lower(), given["lora.rank"])] = overrides.parent.parent
+    return out
