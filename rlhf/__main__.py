@@ -228,6 +228,7 @@ def _preflight(args: list[str]) -> None:
     parsed, _ = get_args_parser().parse_known_args(args)
     dirs = [CONF_DIR, *([Path(parsed.config_dir).absolute()] if parsed.config_dir else [])]
     try:
+        preflight.check_modes(parsed)
         preflight.check_yaml_files(dirs)
         made = ("hydra.sweep.dir",) if parsed.multirun else ("hydra.run.dir", "hydra.sweep.dir")
         made = () if parsed.cfg or parsed.info else made  # printing the config makes no dir

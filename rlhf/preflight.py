@@ -41,6 +41,20 @@ def check_override_syntax(overrides: list[str]) -> None:
             ) from None
 
 
+MODES = {"run": "--run", "multirun": "-m", "cfg": "--cfg", "info": "--info"}
+
+
+def check_modes(parsed) -> None:
+    """Hydra takes one of --run, -m, --cfg, --info (it raises a ValueError with a traceback
+    for more); ``parsed``: its argument parser's answer."""
+    given = [flag for name, flag in MODES.items() if getattr(parsed, name, None)]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{' and '.join(given)} together: Hydra takes one of --run, -m, --cfg, --info "
+            "(a sweep job's config: drop -m and give that job's values with --cfg job)"
+        )
+
+
 def check_yaml_files(config_dirs: list[Path]) -> None:
     """A YAML syntax error in a config directory as one line: file, line, the parser's message
     (Hydra reports it as a 75-line traceback)."""

@@ -67,6 +67,7 @@ def test_a_value_split_at_a_space_or_an_accent_gets_the_quoting_hint():
         (["-cd", "{tmp}", "-cn", "myexp"], "myexp.yaml, line 3: YAML syntax error"),
         (["hydra.run.dir={tmp}/myexp.yaml"], "that is a file; expected a directory"),
         (["data.sources.local.path=/tmp/ça.jsonl"], "quote the value inside the argument"),
+        (["-m", "zero=stage2,stage3", "--cfg", "job"], "-m and --cfg together: Hydra takes one"),
     ],
 )
 def test_the_command_line_answers_in_one_line(tmp_path, args, expected):
