@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import torch
-from transformers import AutoModelForCausalLM, set_seed
 
 from rlhf import algos
 from rlhf.config import Config
-from rlhf.data.collate import pair_batch, rows_at
+from rlhf.data.collate import pair_batch
 from rlhf.data.pipeline import phase_dataset
-from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, rank, world_size
-from rlhf.engine import (
-    BatchShape,
-    device_type,
-    ds_config,
-    initialize,
-    initialize_frozen,
-    resolve_dtype,
-)
+from rlhf.data.sampling import row_lengths
+from rlhf.dist import all_reduce_sum
+from rlhf.engine import initialize_frozen
 from rlhf.evaluation import (
     PREFERENCE_STATS,
     DPOEvaluator,
@@ -39,19 +30,17 @@ from rlhf.evaluation import (
     preference_sums,
     preference_terms,
 )
-from rlhf.models import (
-    apply_lora,
-    attention,
-    end_of_text_id,
-    export_pretrained,
-    load_causal_lm,
-    load_tokenizer,
-    log_attention,
-    model_path,
-    model_type,
+from rlhf.models import load_causal_lm
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
+from rlhf.steps.setup import (
+    batch_plan,
+    export_causal_lm,
+    pair_micro_batches,
+    step_count,
+    step_inputs,
+    train_loop,
+    trained_causal_lm,
 )
-from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
-from rlhf.tracking import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -59,71 +48,30 @@ ANSWERS = ("chosen_ids", "rejected_ids")
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
-    started = time.perf_counter()
-    device = device_type(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    set_seed(cfg.seed)
-
     # 1. tokenizer and data: the reward phase's pairs; held-out prompts where PPO is evaluated
-    path = model_path(cfg.model, cfg.cache_dir)
-    tokenizer = load_tokenizer(cfg.model, path)
-    eot = end_of_text_id(cfg.model, tokenizer)
-    train_rows = phase_dataset(cfg.data, "reward", "train", tokenizer, eot).with_format("python")
-    eval_pairs = phase_dataset(cfg.data, "reward", "eval", tokenizer, eot).with_format("python")
+    inputs = step_inputs(cfg, "DPO", "reward")
+    train_rows, tokenizer, eot = inputs.train_rows, inputs.tokenizer, inputs.eot
     # the PPO phase's held-out prompts, so DPO and PPO are graded on the same questions (the
     # reward phase's when the split gives PPO no rows)
     prompt_phase = "ppo" if cfg.data.phase_split[2] > 0 else "reward"
-    eval_prompts = phase_dataset(cfg.data, prompt_phase, "eval", tokenizer, eot).with_format(
-        "python"
-    )
-    shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
+    eval_prompts = phase_dataset(cfg.data, prompt_phase, "eval", tokenizer, eot)
     lengths = row_lengths(train_rows, ANSWERS)
-    plan = EpochPlan(
-        len(train_rows),
-        shape.micro_batch_size,
-        shape.world_size,
-        shape.grad_accum,
-        cfg.data.seed,
-        lengths if cfg.data.group_by_length else None,
-    )
-    dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
-
-    def step_rows(epoch: int, step: int) -> list[list[dict]]:
-        """This rank's micro batches (rows) of one optimizer step."""
-        if not dynamic:  # micro_batch_size pairs each
-            return [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
-        budget = cfg.optim.micro_batch_size * cfg.data.max_seq_len
-        indices, micro = plan.budget_micro_batches(epoch, step, rank(), lengths, budget)
-        rows = rows_at(train_rows, indices)
-        return [[rows[i] for b in bins for i in b] for bins in micro]
-
-    steps = total_steps(
-        plan,
-        cfg.optim.epochs,
-        cfg.step.max_steps,
-        f"the reward phase has {len(train_rows)} training pairs, fewer than one global batch "
-        f"({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)",
-    )
+    shape, plan = batch_plan(cfg, train_rows, lengths)
+    budget = cfg.optim.micro_batch_size * cfg.data.max_seq_len
+    step_rows = pair_micro_batches(cfg, plan, train_rows, lengths, budget)
+    steps = step_count(cfg, plan, f"the reward phase has {len(train_rows)} training pairs")
 
     # 2. the policy (trained) and the reference (frozen at the same ZeRO stage; none for simpo)
-    ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    kind = model_type(cfg.model, path)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
-    log_attention("DPO", attn, cfg.model)
-    lm = load_causal_lm(
-        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
-    )
-    lm_config = lm.config
-    lm = apply_lora(lm, cfg.lora)
-    engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
-    engine.train()  # from_pretrained returns eval mode (step=dpo sets model.dropout=0)
+    engine, lm_config = trained_causal_lm(cfg, inputs, shape, steps)
     reference = None
     if cfg.dpo.loss not in algos.REFERENCE_FREE:
         reference = initialize_frozen(
-            load_causal_lm(cfg.model, path, tokenizer, dtype, attention=attn),
+            load_causal_lm(
+                cfg.model, inputs.path, tokenizer, inputs.dtype, attention=inputs.attention
+            ),
             cfg.zero.stage,
             cfg.dpo.offload_reference,
-            dtype,
+            inputs.dtype,
             shape.micro_batch_size,
         )
     log.info(
@@ -131,7 +79,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         cfg.dpo.loss,
         cfg.dpo.beta,
         len(train_rows),
-        len(eval_pairs),
+        len(inputs.eval_rows),
         steps,
         plan.global_batch_size,
         cfg.zero.stage,
@@ -147,51 +95,33 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         steps,
         window=("pairs", *PREFERENCE_STATS),
         shown=("dpo/loss", "dpo/accuracy"),
-        started=started,
+        started=inputs.started,
     )
-    evaluator = DPOEvaluator(cfg, tokenizer, eval_pairs, eval_prompts, eot)
+    evaluator = DPOEvaluator(
+        cfg, tokenizer, inputs.eval_rows, eval_prompts.with_format("python"), eot
+    )
     run.evaluate_first(evaluator, engine, reference)
 
     # 4. train
-    speed, state = Throughput(), run.state
+    def step(micro_rows) -> tuple[int, dict[str, float] | None]:
+        pad_id = tokenizer.pad_token_id
+        sums, tokens = train_step(engine, reference, micro_rows, cfg, pad_id, run.guard)
+        window = dict(zip(("pairs", *PREFERENCE_STATS), sums))
+        return tokens, window if math.isfinite(window["loss"]) else None
 
-    def train_metrics() -> dict[str, float]:
-        pairs = run.window["pairs"] or math.nan  # every step skipped: nothing to report
-        return {
-            **{f"dpo/{k}": run.window[k] / pairs for k in PREFERENCE_STATS},
-            "train/lr": engine.get_lr()[0],
-            "train/epoch": state.global_step / plan.steps_per_epoch,
-            "train/skipped_steps": run.guard.skipped,
-            **speed.metrics(),
-        }
+    def metrics(window: dict[str, float]) -> dict[str, float]:
+        pairs = window["pairs"] or math.nan  # every step skipped: nothing to report
+        return {f"dpo/{k}": window[k] / pairs for k in PREFERENCE_STATS}
 
-    with run.training():
-        while state.global_step < steps:
-            micro_rows = step_rows(state.epoch, state.step_in_epoch)
-            speed.start()
-            sums, tokens = train_step(
-                engine, reference, micro_rows, cfg, tokenizer.pad_token_id, run.guard
-            )
-            speed.stop(tokens, plan.global_batch_size)
-            state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-            run.guard.end_step(state.global_step)
-            if math.isfinite(sums[1]):  # the loss
-                run.add(**dict(zip(("pairs", *PREFERENCE_STATS), sums)))
-            run.end_step(
-                train_metrics(), evaluate=lambda: run.evaluate(evaluator, engine, reference)
-            )
+    def evaluate():
+        return run.evaluate(evaluator, engine, reference)
+
+    speed = train_loop(run, engine, plan, steps, step_rows, step, metrics, evaluate)
 
     # 5. final evaluation, export (a causal LM, like SFT's), summary
-    final = run.evaluate(evaluator, engine, reference)
+    final = evaluate()
     if cfg.step.save_model:
-
-        def build_copy():
-            copy = AutoModelForCausalLM.from_config(lm_config, dtype=lm_config.dtype)
-            return apply_lora(copy, cfg.lora)
-
-        export_pretrained(
-            engine.module, cfg.zero.stage, build_copy, tokenizer, info.run_dir / "model"
-        )
+        export_causal_lm(engine, lm_config, cfg, tokenizer, info.run_dir / "model")
     trained = {k: v for k, v in run.tracker.summary_metrics.items() if k.startswith("dpo/")}
     return run.finish(final, speed, **trained)
 

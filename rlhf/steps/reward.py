@@ -10,107 +10,64 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import replace
 
 import torch
-from transformers import AutoModelForSequenceClassification, set_seed
+from transformers import AutoModelForSequenceClassification
 
 from rlhf import algos
 from rlhf.config import SHARED_PROMPT_LOSSES, Config, ConfigError
-from rlhf.data.collate import pair_batch, ranked_batch, rows_at
+from rlhf.data.collate import pair_batch, ranked_batch
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
-from rlhf.data.pipeline import phase_dataset
-from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, rank, world_size
-from rlhf.engine import BatchShape, device_type, ds_config, initialize, model_device, resolve_dtype
+from rlhf.data.sampling import row_lengths
+from rlhf.dist import all_reduce_sum
+from rlhf.engine import BatchShape, ds_config, initialize, model_device
 from rlhf.evaluation import PairEvaluator, gold_correlation
 from rlhf.models import (
     STATS_FILE,
     apply_lora,
-    attention,
     config_mask_problem,
-    end_of_text_id,
     export_pretrained,
     fast_path,
-    load_tokenizer,
     load_value_model,
-    log_attention,
-    model_path,
-    model_type,
 )
-from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
-from rlhf.tracking import Throughput
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
+from rlhf.steps.setup import (
+    StepInputs,
+    batch_plan,
+    pair_micro_batches,
+    step_count,
+    step_inputs,
+    train_loop,
+)
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
-    started = time.perf_counter()
-    device = device_type(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    set_seed(cfg.seed)
-
-    # 1. tokenizer and data
-    path = model_path(cfg.model, cfg.cache_dir)
-    tokenizer = load_tokenizer(cfg.model, path)
-    eot = end_of_text_id(cfg.model, tokenizer)
-    train_rows = phase_dataset(cfg.data, "reward", "train", tokenizer, eot).with_format("python")
-    eval_rows = phase_dataset(cfg.data, "reward", "eval", tokenizer, eot).with_format("python")
+    # 1. tokenizer, data (pairs, or K ranked answers), attention, batches
+    inputs = step_inputs(cfg, "reward", "reward")
+    train_rows, tokenizer = inputs.train_rows, inputs.tokenizer
     if cfg.reward.loss == "listwise" and "responses_ids" not in train_rows.column_names:
         raise ConfigError(
             "reward.loss='listwise': the data has no ranked `responses` column "
             "(local: columns.responses; toy: data.sources.toy.num_ranked=K)"
         )
-    kind = model_type(cfg.model, path)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
-    log_attention("reward", attn, cfg.model)
-    share_prompt = fast_path(
-        "reward.share_prompt", cfg.reward.share_prompt, share_prompt_problem(cfg, path, attn)
-    )
+    no_share = share_prompt_problem(cfg, inputs.path, inputs.attention)
+    share_prompt = fast_path("reward.share_prompt", cfg.reward.share_prompt, no_share)
     # the step's settings with reward.share_prompt resolved (cfg stays as given, for resume)
     step_cfg = replace(cfg, reward=replace(cfg.reward, share_prompt=share_prompt))
-    shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
     lengths, budget = pair_lengths(step_cfg, train_rows)
-    plan = EpochPlan(
-        len(train_rows),
-        shape.micro_batch_size,
-        shape.world_size,
-        shape.grad_accum,
-        cfg.data.seed,
-        lengths if cfg.data.group_by_length else None,
-    )
-    dynamic = cfg.optim.dynamic_batch and not cfg.data.pad_to_max_len
-
-    def step_rows(epoch: int, step: int) -> list[list[dict]]:
-        """This rank's micro batches (rows) of one optimizer step."""
-        if not dynamic:  # micro_batch_size pairs each
-            return [rows_at(train_rows, i) for i in plan.micro_batches(epoch, step, rank())]
-        indices, micro = plan.budget_micro_batches(epoch, step, rank(), lengths, budget)
-        rows = rows_at(train_rows, indices)
-        return [[rows[i] for b in bins for i in b] for bins in micro]
-
-    steps = total_steps(
-        plan,
-        cfg.optim.epochs,
-        cfg.step.max_steps,
-        f"the reward phase has {len(train_rows)} training pairs, fewer than one global batch "
-        f"({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)",
-    )
+    shape, plan = batch_plan(cfg, train_rows, lengths)
+    step_rows = pair_micro_batches(cfg, plan, train_rows, lengths, budget)
+    steps = step_count(cfg, plan, f"the reward phase has {len(train_rows)} training pairs")
 
     # 2. model and engine: backbone + scalar head; LoRA leaves the head fully trainable
-    ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    model = load_value_model(
-        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
-    )
-    hf_config = model.hf.config
-    model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])
-    engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
-    engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
+    engine, hf_config = trained_value_model(cfg, inputs, shape, steps)
     log.info(
         "reward: %d train / %d eval pairs, %d steps of %d pairs, loss %s, ZeRO-%d on %d rank(s)",
         len(train_rows),
-        len(eval_rows),
+        len(inputs.eval_rows),
         steps,
         plan.global_batch_size,
         cfg.reward.loss,
@@ -127,66 +84,78 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         steps,
         window=("loss", "accuracy", "steps"),
         shown=("train/loss", "train/accuracy"),
-        started=started,
+        started=inputs.started,
     )
-    evaluator = PairEvaluator(cfg, tokenizer, eval_rows)
+    evaluator = PairEvaluator(cfg, tokenizer, inputs.eval_rows)
     run.evaluate_first(evaluator, engine)
 
     # 4. train
-    speed, state = Throughput(), run.state
+    def step(micro_rows) -> tuple[int, dict[str, float] | None]:
+        pad_id = tokenizer.pad_token_id
+        loss, accuracy, tokens = train_step(engine, micro_rows, step_cfg, pad_id, run.guard)
+        return tokens, dict(loss=loss, accuracy=accuracy, steps=1) if math.isfinite(loss) else None
 
-    def train_metrics() -> dict[str, float]:
-        logged = run.window["steps"] or math.nan  # every step skipped: no loss to report
+    def metrics(window: dict[str, float]) -> dict[str, float]:
+        logged = window["steps"] or math.nan  # every step skipped: no loss to report
         return {
-            "train/loss": run.window["loss"] / logged,
-            "train/accuracy": run.window["accuracy"] / logged,
-            "train/lr": engine.get_lr()[0],
-            "train/epoch": state.global_step / plan.steps_per_epoch,
-            "train/skipped_steps": run.guard.skipped,
-            **speed.metrics(),
+            "train/loss": window["loss"] / logged,
+            "train/accuracy": window["accuracy"] / logged,
         }
 
-    with run.training():
-        while state.global_step < steps:
-            micro_rows = step_rows(state.epoch, state.step_in_epoch)
-            speed.start()
-            loss, accuracy, tokens = train_step(
-                engine, micro_rows, step_cfg, tokenizer.pad_token_id, run.guard
-            )
-            speed.stop(tokens, plan.global_batch_size)
-            state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-            run.guard.end_step(state.global_step)
-            if math.isfinite(loss):
-                run.add(loss=loss, accuracy=accuracy, steps=1)
-            run.end_step(train_metrics(), evaluate=lambda: run.evaluate(evaluator, engine))
+    speed = train_loop(
+        run, engine, plan, steps, step_rows, step, metrics, lambda: run.evaluate(evaluator, engine)
+    )
 
     # 5. final evaluation, score-vs-gold check, export with the score statistics
     final = run.evaluate(evaluator, engine)
     if cfg.reward.gold_policy:
-        final.update(run.evaluate(gold_correlation, engine, cfg, tokenizer, eval_rows, eot))
-    if cfg.step.save_model:
-
-        def build_copy():
-            copy = AutoModelForSequenceClassification.from_config(hf_config, dtype=hf_config.dtype)
-            return apply_lora(copy, cfg.lora, modules_to_save=["score"])
-
-        stats = {
-            "mean": final["eval/score_mean"],
-            "std": final["eval/score_std"],
-            "score_position": cfg.reward.score_position,
-            "end_of_text_id": eot,
-            "eval/accuracy": final["eval/accuracy"],
-        }
-        export_pretrained(
-            engine.module.hf,
-            cfg.zero.stage,
-            build_copy,
-            tokenizer,
-            info.run_dir / "model",
-            extra_files={STATS_FILE: stats},
+        final.update(
+            run.evaluate(gold_correlation, engine, cfg, tokenizer, inputs.eval_rows, inputs.eot)
         )
+    if cfg.step.save_model:
+        export_reward_model(engine, hf_config, cfg, final, inputs, info.run_dir / "model")
     train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
     return run.finish(final, speed, **{"train/loss": train_loss})
+
+
+def trained_value_model(cfg: Config, inputs: StepInputs, shape: BatchShape, steps: int):
+    """The reward model (backbone + scalar head) as a DeepSpeed engine in train mode, LoRA on
+    the backbone with the head kept fully trainable, and the backbone's config."""
+    ds_conf = ds_config(cfg.zero, cfg.optim, shape, inputs.dtype)
+    partitioned = ds_conf if cfg.zero.stage == 3 else None
+    model = load_value_model(
+        cfg.model, inputs.path, inputs.tokenizer, inputs.dtype, partitioned, inputs.attention
+    )
+    hf_config = model.hf.config
+    model.hf = apply_lora(model.hf, cfg.lora, modules_to_save=["score"])
+    engine = initialize(model, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
+    engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
+    return engine, hf_config
+
+
+def export_reward_model(engine, hf_config, cfg: Config, final, inputs: StepInputs, out_dir):
+    """The reward model in save_pretrained format (AutoModelForSequenceClassification), with
+    the held-out score statistics PPO normalises by and the end-of-text it scores."""
+
+    def build_copy():
+        copy = AutoModelForSequenceClassification.from_config(hf_config, dtype=hf_config.dtype)
+        return apply_lora(copy, cfg.lora, modules_to_save=["score"])
+
+    stats = {
+        "mean": final["eval/score_mean"],
+        "std": final["eval/score_std"],
+        "score_position": cfg.reward.score_position,
+        "end_of_text_id": inputs.eot,
+        "eval/accuracy": final["eval/accuracy"],
+    }
+    export_pretrained(
+        engine.module.hf,
+        cfg.zero.stage,
+        build_copy,
+        inputs.tokenizer,
+        out_dir,
+        extra_files={STATS_FILE: stats},
+    )
 
 
 def share_prompt_problem(cfg: Config, path: str, attn: str | None) -> str | None:

@@ -9,89 +9,51 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoModelForCausalLM, set_seed
 
 from rlhf.algos import causal_lm_nll_sum, token_loss_scale
 from rlhf.config import Config
 from rlhf.data.collate import count_targets, rows_at, sft_batch
 from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
-from rlhf.data.pipeline import phase_dataset
 from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, rank, world_size
-from rlhf.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
+from rlhf.dist import all_reduce_sum, rank
+from rlhf.engine import BatchShape
 from rlhf.evaluation import SFTEvaluator
-from rlhf.models import (
-    apply_lora,
-    attention,
-    config_mask_problem,
-    end_of_text_id,
-    export_pretrained,
-    fast_path,
-    load_causal_lm,
-    load_tokenizer,
-    log_attention,
-    model_path,
-    model_type,
+from rlhf.models import config_mask_problem, fast_path
+from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
+from rlhf.steps.setup import (
+    batch_plan,
+    export_causal_lm,
+    step_count,
+    step_inputs,
+    train_loop,
+    trained_causal_lm,
 )
-from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, total_steps
-from rlhf.tracking import Throughput
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
-    started = time.perf_counter()
-    device = device_type(cfg.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    set_seed(cfg.seed)
-
-    # 1. tokenizer and data
-    path = model_path(cfg.model, cfg.cache_dir)
-    tokenizer = load_tokenizer(cfg.model, path)
-    eot = end_of_text_id(cfg.model, tokenizer)
-    train_rows = phase_dataset(cfg.data, "sft", "train", tokenizer, eot).with_format("python")
-    eval_rows = phase_dataset(cfg.data, "sft", "eval", tokenizer, eot).with_format("python")
-    kind = model_type(cfg.model, path)
-    attn = attention(cfg.model, device, dtype, cfg.data.max_seq_len, kind)
-    log_attention("SFT", attn, cfg.model)
-    packing = fast_path("sft.packing", cfg.sft.packing, packing_problem(cfg, path, attn))
-    shape = BatchShape(cfg.optim.micro_batch_size, cfg.optim.grad_accum, world_size())
-    plan = EpochPlan(
-        len(train_rows),
-        shape.micro_batch_size,
-        shape.world_size,
-        shape.grad_accum,
-        cfg.data.seed,
-        row_lengths(train_rows) if cfg.data.group_by_length else None,
-    )
+    # 1. tokenizer, data, attention, batches
+    inputs = step_inputs(cfg, "SFT", "sft")
+    train_rows, tokenizer = inputs.train_rows, inputs.tokenizer
+    packing_off = packing_problem(cfg, inputs.path, inputs.attention)
+    packing = fast_path("sft.packing", cfg.sft.packing, packing_off)
+    lengths = row_lengths(train_rows) if cfg.data.group_by_length else None
+    shape, plan = batch_plan(cfg, train_rows, lengths)
     # the step's settings with sft.packing resolved (cfg itself stays as given, for resume)
     step_cfg = replace(cfg, sft=replace(cfg.sft, packing=packing))
     batches = StepBatches(step_cfg, plan, train_rows, tokenizer.pad_token_id)
-    steps = total_steps(
-        plan,
-        cfg.optim.epochs,
-        cfg.step.max_steps,
-        f"the SFT phase has {len(train_rows)} training rows, fewer than one global batch "
-        f"({plan.global_batch_size} = optim.micro_batch_size x ranks x optim.grad_accum)",
-    )
+    steps = step_count(cfg, plan, f"the SFT phase has {len(train_rows)} training rows")
 
     # 2. model and engine
-    ds_conf = ds_config(cfg.zero, cfg.optim, shape, dtype)
-    lm = load_causal_lm(
-        cfg.model, path, tokenizer, dtype, ds_conf if cfg.zero.stage == 3 else None, attn
-    )
-    lm_config = lm.config
-    lm = apply_lora(lm, cfg.lora)
-    engine = initialize(lm, ds_conf, cfg.optim, cfg.lora, cfg.zero.offload, steps)
-    engine.train()  # from_pretrained returns eval mode; dropout (if any) trains on
+    engine, lm_config = trained_causal_lm(cfg, inputs, shape, steps)
     log.info(
         "SFT: %d train / %d eval rows, %d steps of %d rows, ZeRO-%d on %d rank(s)",
         len(train_rows),
-        len(eval_rows),
+        len(inputs.eval_rows),
         steps,
         plan.global_batch_size,
         cfg.zero.stage,
@@ -107,49 +69,29 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         steps,
         window=("nll", "targets"),
         shown=("train/loss", "perf/tokens_per_s"),
-        started=started,
+        started=inputs.started,
     )
-    evaluator = SFTEvaluator(cfg, tokenizer, eval_rows, eot)
+    evaluator = SFTEvaluator(cfg, tokenizer, inputs.eval_rows, inputs.eot)
     run.evaluate_first(evaluator, engine)
 
     # 4. train
-    speed, state = Throughput(), run.state
+    def step(micro_batches) -> tuple[int, dict[str, float] | None]:
+        fp32 = cfg.optim.compute_fp32_loss
+        nll, targets, tokens = train_step(engine, micro_batches, shape, fp32, run.guard)
+        return tokens, dict(nll=nll, targets=targets) if math.isfinite(nll) else None
 
-    def train_metrics() -> dict[str, float]:
-        nll, targets = run.window["nll"], run.window["targets"]
-        return {
-            "train/loss": nll / targets if targets else math.nan,
-            "train/lr": engine.get_lr()[0],
-            "train/epoch": state.global_step / plan.steps_per_epoch,
-            "train/skipped_steps": run.guard.skipped,
-            **speed.metrics(),
-        }
+    def metrics(window: dict[str, float]) -> dict[str, float]:
+        targets = window["targets"]
+        return {"train/loss": window["nll"] / targets if targets else math.nan}
 
-    with run.training():
-        while state.global_step < steps:
-            micro_batches = batches(state.epoch, state.step_in_epoch)
-            speed.start()
-            nll, targets, tokens = train_step(
-                engine, micro_batches, shape, cfg.optim.compute_fp32_loss, run.guard
-            )
-            speed.stop(tokens, plan.global_batch_size)
-            state.advance(plan.steps_per_epoch, plan.global_batch_size, tokens)
-            run.guard.end_step(state.global_step)
-            if math.isfinite(nll):
-                run.add(nll=nll, targets=targets)
-            run.end_step(train_metrics(), evaluate=lambda: run.evaluate(evaluator, engine))
+    speed = train_loop(
+        run, engine, plan, steps, batches, step, metrics, lambda: run.evaluate(evaluator, engine)
+    )
 
     # 5. final evaluation, export, summary
     final = run.evaluate(evaluator, engine)
     if cfg.step.save_model:
-
-        def build_copy():
-            copy = AutoModelForCausalLM.from_config(lm_config, dtype=lm_config.dtype)
-            return apply_lora(copy, cfg.lora)
-
-        export_pretrained(
-            engine.module, cfg.zero.stage, build_copy, tokenizer, info.run_dir / "model"
-        )
+        export_causal_lm(engine, lm_config, cfg, tokenizer, info.run_dir / "model")
     train_loss = run.tracker.summary_metrics.get("train/loss", math.nan)
     return run.finish(final, speed, **{"train/loss": train_loss})
 
