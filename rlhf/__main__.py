@@ -232,10 +232,14 @@ def _preflight(args: list[str]) -> None:
         preflight.check_yaml_files(dirs)
         made = ("hydra.sweep.dir",) if parsed.multirun else ("hydra.run.dir", "hydra.sweep.dir")
         made = () if parsed.cfg or parsed.info else made  # printing the config makes no dir
+        given = False
         for override in OverridesParser.create().parse_overrides(parsed.overrides):
             value = override.value()
             if override.key_or_group in made and isinstance(value, str):
                 preflight.check_output_dir(override.key_or_group, value)
+                given = True
+        if made and not given:
+            preflight.check_default_outputs()
     except ConfigError as err:
         _fail(err)
 

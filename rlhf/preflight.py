@@ -94,6 +94,23 @@ def check_output_dir(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value}: the directory is not writable; choose another {key}")
 
 
+def check_default_outputs(outputs: Path = Path("outputs")) -> None:
+    """Without a hydra.run.dir / sweep.dir, runs go under ./outputs: it must be a directory
+    this user can write, or a directory this user can make."""
+    where = outputs.absolute()
+    if where.exists() and not where.is_dir():
+        raise ConfigError(
+            f"{where} is a file: runs go under ./outputs/ by default; move it, or give "
+            "hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m)"
+        )
+    writable = where if where.exists() else where.parent
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{writable} is not writable: runs go under ./outputs/ by default; run from a "
+            "writable directory, or give hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m)"
+        )
+
+
 def composition_error(err: Exception) -> str:
     """One line for an error Hydra raised while composing (a missing option, a value of the
     wrong type, an override it could not apply)."""

@@ -5,11 +5,15 @@ config error under torchrun printed once."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from rlhf.config import ConfigError
 from rlhf.preflight import check_output_dir, check_override_syntax, check_yaml_files
-from tests.conftest import run_rlhf
+from tests.conftest import REPO, run_rlhf
 
 NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
 
@@ -77,6 +81,24 @@ def test_the_command_line_answers_in_one_line(tmp_path, args, expected):
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and expected in line, line
+
+
+def test_an_outputs_file_in_the_working_directory_is_one_line(tmp_path):
+    (tmp_path / "outputs").write_text("not a directory")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf", "step.max_steps=1"],
+        cwd=tmp_path,
+        env={**os.environ, **NO_TRACE, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line == (
+        f"error: {tmp_path / 'outputs'} is a file: runs go under ./outputs/ by default; move it, "
+        "or give hydra.run.dir=DIR (hydra.sweep.dir=DIR with -m)"
+    )
 
 
 @pytest.mark.slow
