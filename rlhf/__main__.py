@@ -20,7 +20,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
-from rlhf.roles import share_command_line, unread_problems
+from rlhf.roles import (
+    pipeline_steps,
+    share_command_line,
+    step_values,
+    step_values_text,
+    unread_problems,
+)
 from rlhf.validate import (
     check_launch,
     fit_lengths,
@@ -248,7 +254,8 @@ def _show_config_as_run() -> None:
     """--cfg: Hydra composes and prints the config itself; what it prints must be what a run
     gets, so its composition shares the command line's top-level values with PPO's models as a
     run does (rlhf.roles), and --cfg job prints the values, not the interpolations that make
-    them."""
+    them. At step=all, whose steps each compose their own, a comment first lists the keys a
+    step runs with another value than printed."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import get_args_parser
 
@@ -259,12 +266,35 @@ def _show_config_as_run() -> None:
         sys.argv.append("--resolve")
     compose_config = Hydra.compose_config
 
-    def composed_as_run(self, config_name, overrides, *args, **kwargs):
-        cfg = compose_config(self, config_name, overrides, *args, **kwargs)
+    def as_run(hydra, config_name, overrides, *args, **kwargs) -> DictConfig:
+        cfg = compose_config(hydra, config_name, overrides, *args, **kwargs)
         share_command_line(cfg, overrides)
         return cfg
 
+    def composed_as_run(self, config_name, overrides, *args, **kwargs):
+        cfg = as_run(self, config_name, overrides, *args, **kwargs)
+        if parsed.cfg != "job" or cfg.step.name != "all":
+            return cfg
+        own = [o for o in overrides if not o.startswith("step=")]
+        top = _job_values(cfg)
+        by_step = {
+            step: _job_values(as_run(self, config_name, [*own, f"step={step}"], *args, **kwargs))
+            for step in pipeline_steps(top)
+        }
+        lines = step_values_text(step_values(top, by_step))
+        if lines:
+            print("# step=all runs each step with its own values where they differ from below:")
+            print("\n".join(f"#   {line}" for line in lines))
+        return cfg
+
     Hydra.compose_config = composed_as_run
+
+
+def _job_values(cfg: DictConfig) -> dict:
+    """The resolved job config (without Hydra's node, which resolves only in a run)."""
+    HydraConfig.instance().set_config(cfg)  # a sweep file's ${hydra:...} values resolve
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_container(job, resolve=True)
 
 
 def _fail(err: ConfigError) -> None:

@@ -576,7 +576,9 @@ class PPOConfig:
     ema_beta: float = 0.992  # its decay per iteration
     # -- PTX: language modelling on unsupervised text, mixed into the actor's loss
     unsup_coef: float = 0.0  # DeepSpeed-Chat's value when enabled: 27.8
-    unsup_source: str = "toy"  # a task's corpus (toy: its statements) or a .txt/.jsonl file
+    # the text: a .txt/.jsonl file or a task's corpus (toy: its statements); null: the corpus of
+    # the task the PPO prompts come from (data=toy), so real data needs a file named here
+    unsup_source: str | None = None
     unsup_rows: int = 4000  # texts read from unsup_source
     # -- evaluation on held-out prompts
     eval_prompts: int = 256  # held-out prompts answered at each evaluation (1/256 = 0.004 gold)
@@ -864,7 +866,10 @@ class Config:
 
 
 def register_configs() -> None:
+    from rlhf.tuning import toy_or_real
+
     ConfigStore.instance().store(name="base_config", node=Config)
+    OmegaConf.register_new_resolver("toy_or_real", toy_or_real, replace=True)
 
 
 def problem_message(key: str, value: Any, accepted: str) -> str:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from rlhf import config as schema
 from rlhf import preflight
-from rlhf.roles import share_command_line
+from rlhf.roles import pipeline_steps, share_command_line, step_values
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -212,16 +212,29 @@ def composed_for_help(args: list[str]) -> tuple[dict[str, Any], list[str]]:
     preflight.check_yaml_files(list(dict.fromkeys([config_dir, CONF_DIR])))
     search = [f"hydra.searchpath=[file://{CONF_DIR}]"] if config_dir != CONF_DIR else []
     schema.register_configs()
-    try:
+
+    def composed(given: list[str]) -> dict[str, Any]:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            cfg = compose(
-                parsed.config_name or "config", [*overrides, *search], return_hydra_config=True
-            )
+            name = parsed.config_name or "config"
+            cfg = compose(name, [*given, *search], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)  # a sweep file's ${hydra:...} values resolve
         with open_dict(cfg):
             del cfg["hydra"]
-        share_command_line(cfg, overrides)  # PPO's models as a run composes them
-        return OmegaConf.to_container(cfg, resolve=True), filters
+        share_command_line(cfg, given)  # PPO's models as a run composes them
+        return OmegaConf.to_container(cfg, resolve=True)
+
+    try:
+        top = composed(overrides)
+        if top["step"]["name"] != "all":
+            return top, filters
+        # step=all runs each step with its own values: each key shows them where they differ
+        own = [o for o in overrides if not o.startswith("step=")]
+        by_step = {step: composed([*own, f"step={step}"]) for step in pipeline_steps(top)}
+        view = OmegaConf.create(top)
+        for key, values in step_values(top, by_step).items():
+            shown = ", ".join(f"{_show(v)} ({step})" for step, v in values.items())
+            OmegaConf.update(view, key, shown, merge=False)
+        return OmegaConf.to_container(view), filters
     except (HydraException, OmegaConfBaseException) as err:
         raise schema.ConfigError(preflight.composition_error(err)) from None
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import Config, RoleConfig
+from rlhf.config import NOT_READ_BY, Config, RoleConfig
 
 SHARED_GROUPS = ("model", "zero", "lora", "optim")
 ROLES = ("actor", "critic")
@@ -112,3 +113,60 @@ def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
                 f"epochs are {PPO_BATCH_KEYS}"
             )
     return out
+
+
+# --- step=all: what each of its steps runs with --------------------------------------------------
+
+
+def pipeline_steps(composed: dict) -> list[str]:
+    """The steps step=all runs for a composed (resolved) config: pipeline.steps, less the reward
+    model's when ppo.reward_function replaces it (rlhf.steps.all.pipeline)."""
+    rule = composed["ppo"]["reward_function"] is not None
+    return [s for s in composed["pipeline"]["steps"] if s != "reward" or not rule]
+
+
+# the sections each step of step=all does not read (sft and reward: rlhf.config.NOT_READ_BY)
+UNREAD = {
+    **NOT_READ_BY,
+    "ppo": ("model", "zero", "lora", "optim", "sft", "reward", "dpo", "pipeline"),
+    "dpo": ("actor", "critic", "sft", "reward", "pipeline"),
+}
+
+
+def step_values(top: dict, by_step: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """key -> {step: value} for each key of ``top`` (step=all's composed, resolved config) that
+    a step reading it runs with another value (``by_step``: each step's own config)."""
+    shown = dict(_leaves(top))
+    leaves = {step: dict(_leaves(cfg)) for step, cfg in by_step.items()}
+    out = {}
+    for key, value in shown.items():
+        readers = {
+            step: leaves[step].get(key)
+            for step in by_step
+            if key.split(".")[0] not in UNREAD.get(step, ()) and key != "step.name"
+        }
+        if any(repr(v) != repr(value) for v in readers.values()):
+            out[key] = readers
+    return out
+
+
+def step_values_text(differences: dict[str, dict[str, Any]]) -> list[str]:
+    """One line a key: ``optim.lr: sft 0.002, reward 0.0002, ppo 0.0001``."""
+    return [
+        f"{key}: " + ", ".join(f"{step} {_yaml(value)}" for step, value in values.items())
+        for key, values in differences.items()
+    ]
+
+
+def _yaml(value: Any) -> str:
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
+
+
+def _leaves(node: Any, prefix: str = ""):
+    if isinstance(node, dict) and node and prefix not in ("data.sources.", "model.init."):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node

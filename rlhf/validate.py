@@ -325,18 +325,37 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
                         f"checks {tasks_named} answers; {', '.join(others)} are not {tasks_named})",
                     )
                 )
-    if ppo.unsup_coef > 0 and not os.path.isfile(ppo.unsup_source):
-        try:
-            tasks.corpus(tasks.resolve(ppo.unsup_source), 1, 0)
-        except tasks.TaskError:
-            out.append(
-                (
-                    "ppo.unsup_source",
-                    ppo.unsup_source,
-                    "a task with a corpus (toy) or an existing .txt/.jsonl file",
-                )
+    return out + _ptx_problems(config)
+
+
+def _ptx_problems(config: Config) -> list[tuple[str, object, str]]:
+    """PTX's text must exist, and real data's is never the toy task's by default."""
+    if config.ppo.unsup_coef <= 0:
+        return []
+    from rlhf.rl.ptx import ptx_source
+
+    source = ptx_source(config)
+    accepted = (
+        "an existing .txt/.jsonl file (one text a line; .jsonl: a text field) or a task with "
+        "a corpus (toy)"
+    )
+    if source is None:  # null, and the prompts are not one task's
+        named = ", ".join(config.ppo.prompt_sources or config.data.sources)
+        return [
+            (
+                "ppo.unsup_source",
+                None,
+                f"{accepted}: with ppo.unsup_coef > 0 on data that is not a task's ({named}), "
+                "name the text PTX mixes in (DeepSpeed-Chat's --unsupervised_dataset_name)",
             )
-    return out
+        ]
+    if os.path.isfile(source):
+        return []
+    try:
+        tasks.corpus(tasks.resolve(source), 1, 0)
+    except tasks.TaskError:
+        return [("ppo.unsup_source", source, accepted)]
+    return []
 
 
 # PPO's trained models. Old log-probs and values are taken in eval mode, updates run in train

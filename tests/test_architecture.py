@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
-    ("rlhf.config", "rlhf.roles", "rlhf.dist", "rlhf.files"),
+    ("rlhf.config", "rlhf.roles", "rlhf.tuning", "rlhf.dist", "rlhf.files"),
     ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks"),
     ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
     ("rlhf.data",),

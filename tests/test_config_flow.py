@@ -14,7 +14,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf.config import register_configs
+from rlhf.config import ConfigError, register_configs
 from rlhf.roles import SHARED_GROUPS, share_command_line, shared_keys, unread_problems
 from rlhf.steps.all import compose_steps, path_override
 from rlhf.validate import dropout_problems, validated
@@ -135,6 +135,142 @@ def test_lora_dropout_reaches_the_ppo_models_and_is_refused(tmp_path):
         trained = getattr(config, role)
         [problem] = dropout_problems(role, trained.model, trained.lora, {"dropout": 0.0})
         assert problem.startswith(f"{role}.lora.dropout=0.1: expected 0.0")
+
+
+# --- item 1: the toy's tuning applies to the embedded default only -------------------------------
+
+# the keys rlhf/tuning.py's pairs set, per step, and their embedded-default values
+TOY = {
+    "sft": {"optim.lr": 2e-3, "optim.epochs": 6, "optim.micro_batch_size": 32},
+    "reward": {"optim.lr": 2e-4, "optim.epochs": 3, "optim.micro_batch_size": 16},
+    "ppo": {"actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4, "ppo.kl_coef": 0.3},
+    "dpo": {"optim.lr": 2e-5, "optim.epochs": 1},
+}
+DSCHAT_STEP = CONF_DIR / "experiment_step" / "deepspeed-chat"
+# DeepSpeed-Chat's step2_dpo_finetuning/training_scripts/opt/single_node/run_350m.sh
+DSCHAT_DPO = {"optim.lr": 5e-5, "optim.weight_decay": 0.1, "optim.epochs": 1}
+SCALE_KEYS = ("lr", "weight_decay", "epochs", "micro_batch_size", "eval_micro_batch_size")
+
+
+def value(cfg, key: str):
+    return OmegaConf.select(cfg, key)
+
+
+def published(step: str) -> dict:
+    """The values experiment=deepspeed-chat records for a step's scale-dependent keys."""
+    if step == "dpo":
+        return DSCHAT_DPO
+    recorded = OmegaConf.load(DSCHAT_STEP / f"{step}.yaml")
+    if step == "ppo":
+        out = {
+            f"{r}.optim.{k}": recorded[r].optim[k] for r in ROLES for k in ("lr", "warmup_steps")
+        }
+        batches = ("per_device_generation_batch_size", "per_device_training_batch_size")
+        return out | {f"ppo.{k}": recorded.ppo[k] for k in (*batches, "kl_coef")}
+    return {f"optim.{k}": recorded.optim[k] for k in SCALE_KEYS if k in recorded.optim}
+
+
+@pytest.mark.parametrize("step", TOY)
+def test_the_embedded_default_keeps_its_tuning(step):
+    cfg = composed([f"step={step}"])
+    for key, expected in TOY[step].items():
+        assert value(cfg, key) == expected, (step, key)
+
+
+@pytest.mark.parametrize("step", TOY)
+def test_a_real_model_on_real_data_gets_deepspeed_chats_values(step):
+    cfg = composed([f"step={step}", "model=opt-1.3b", "data=rm-static"])
+    for key, expected in published(step).items():
+        assert value(cfg, key) == expected, (step, key)
+    assert cfg.ppo.unsup_coef == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=opt-125m"],  # a real model on the toy data
+        ["data=rm-static"],  # the tiny model on real data
+        ["data=[toy,rm-static]"],  # real data among the toy's
+        ["model.path=facebook/opt-125m"],  # a hub id under model=tiny's name
+    ],
+    ids=lambda o: o[0],
+)
+def test_any_real_part_gets_the_real_values(overrides):
+    cfg = composed(["step=sft", *overrides])
+    assert (cfg.optim.lr, cfg.optim.epochs) == (9.65e-6, 16)
+
+
+def test_a_model_dir_is_told_by_its_vocabulary(tmp_path):
+    """An export of the embedded model keeps its tuning; a real model's directory does not."""
+    from rlhf.models import tiny_model_dir
+    from rlhf.tuning import TINY_VOCAB_SIZE
+
+    tiny = tiny_model_dir(compose().model, str(tmp_path / "cache"))
+    assert yaml.safe_load((tiny / "config.json").read_text())["vocab_size"] == TINY_VOCAB_SIZE
+    real = tmp_path / "opt"
+    real.mkdir()
+    (real / "config.json").write_text('{"model_type": "opt", "vocab_size": 50272}')
+    for step, model in [("sft", "model.path"), ("dpo", "model.path"), ("ppo", "actor.model.path")]:
+        kept = composed([f"step={step}", f"{model}={tiny}"])
+        assert OmegaConf.select(kept, "optim.lr") == {"sft": 2e-3, "dpo": 2e-5, "ppo": 1e-4}[step]
+        real_run = composed([f"step={step}", f"{model}={real}"])
+        assert OmegaConf.select(real_run, "optim.lr") == published(step).get("optim.lr", 9.65e-6)
+    # step=all's later steps read exports not written yet: the model option tells
+    assert composed(["step=dpo", f"model.path={tmp_path}/later/model"]).optim.lr == 2e-5
+    assert composed(["step=dpo", "model=opt-125m", f"model.path={tmp_path}/x"]).optim.lr == 5e-5
+
+
+def test_a_value_set_anywhere_replaces_the_pair():
+    assert composed(["step=sft", "model=opt-1.3b", "optim.lr=1e-5"]).optim.lr == 1e-5
+    assert composed(["step=sft", "optim.epochs=2"]).optim.epochs == 2
+    recipe = composed(["experiment=opt-1.3b-350m", "step=ppo"])  # its own values
+    assert (recipe.actor.optim.lr, recipe.critic.optim.lr, recipe.ppo.kl_coef) == (
+        9.65e-6,
+        5e-6,
+        0.1,
+    )
+
+
+def test_cfg_job_at_step_all_lists_what_each_step_runs_with():
+    proc = run_rlhf(["model=opt-1.3b", "data=rm-static", "--cfg", "job"], timeout=120)
+    header = [ln for ln in proc.stdout.splitlines() if ln.startswith("#   ")]
+    assert "#   optim.lr: sft 9.65e-06, reward 5e-05" in header
+    assert "#   critic.optim.lr: ppo 5e-06" in header
+    assert yaml.safe_load(proc.stdout)["step"]["name"] == "all"
+
+
+def test_help_at_step_all_shows_each_steps_value():
+    proc = run_rlhf(["--help", "optim.lr", "actor.optim.lr"], timeout=120)
+    assert "optim.lr=0.002 (sft), 0.0002 (reward)" in proc.stdout
+    assert "actor.optim.lr=0.0001 (ppo)" in proc.stdout
+
+
+# --- item 2: PTX reads the user's text, never the toy's for other data --------------------------
+
+
+def ptx_config(tmp_path: Path, *overrides: str):
+    paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+    return validated(composed(["step=ppo", "ppo.unsup_coef=1.0", *paths, *overrides]))
+
+
+def test_ptx_reads_the_prompts_task_or_a_named_file(tmp_path):
+    from rlhf.rl.ptx import ptx_source
+
+    assert ptx_source(ptx_config(tmp_path)) == "toy"  # data=toy: the toy task's statements
+    assert ptx_source(ptx_config(tmp_path, "data=toy_facts")) == "toy_facts"
+    text = tmp_path / "wiki.txt"
+    text.write_text("Some pretraining text.\n")
+    named = ptx_config(tmp_path, "data=rm-static", f"ppo.unsup_source={text}")
+    assert ptx_source(named) == str(text)
+
+
+def test_ptx_on_real_data_without_a_named_text_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        ptx_config(tmp_path, "data=rm-static")
+    assert "ppo.unsup_source=None: expected an existing .txt/.jsonl file" in str(refused.value)
+    assert "(rm-static)" in str(refused.value)
+    with pytest.raises(ConfigError, match=re.escape("ppo.unsup_source='/nowhere.txt'")):
+        ptx_config(tmp_path, "data=rm-static", "ppo.unsup_source=/nowhere.txt")
 
 
 # --- the real thing: a sweep through step=all and step=ppo, and what DeepSpeed built -----------

@@ -11,18 +11,30 @@ import torch
 from rlhf import algos, tasks
 from rlhf.config import Config
 from rlhf.data.collate import right_pad
+from rlhf.data.sources import source_task
 from rlhf.dist import rank, world_size
 from rlhf.engine import model_device
 
 
+def ptx_source(cfg: Config) -> str | None:
+    """Where PTX reads its text: ppo.unsup_source, or (null) the task every PPO prompt source
+    comes from (data=toy: the toy task's statements); None when there is no such task, since
+    real data's text is not the toy's (a file must be named)."""
+    if cfg.ppo.unsup_source is not None:
+        return cfg.ppo.unsup_source
+    names = cfg.ppo.prompt_sources or list(cfg.data.sources)
+    found = {source_task(cfg.data.sources[name]) for name in names}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
 class PTXBatches:
-    """Unsupervised language modelling text for the PTX loss (a task's corpus, the toy task's
-    statements on the embedded default, or a file), cycled in per_device_training_batch_size
+    """Unsupervised language modelling text for the PTX loss (a file, or a task's corpus: the
+    toy task's statements on the embedded default), cycled in per_device_training_batch_size
     chunks: the n-th batch of rank r starts at row (n x ranks + r) x size, so the ranks read
     disjoint rows, and ``batches`` (the same on every rank) is all a resume needs."""
 
     def __init__(self, cfg: Config, tokenizer, eot: int):
-        source = cfg.ppo.unsup_source
+        source = ptx_source(cfg)
         texts = (
             _read_texts(source, cfg.ppo.unsup_rows)
             if os.path.isfile(source)
