@@ -500,12 +500,14 @@ class PPOConfig:
     # the habits go, in both batch settings; with 4 PPO epochs x 2 generation batches, 0.2 loses
     # 3-5 points of it and 0.1 more
     kl_coef: float = 0.3
-    # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0): estimates from the answer's
-    # tokens, unbiased only if they were sampled; full: the exact KL over the vocabulary at each
-    # answer position (for greedy rollouts, whose argmax tokens bias k1 upwards: docs/ppo.md 8)
+    # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0, capped at 10): estimates from
+    # the answer's tokens, unbiased only if they were sampled; full: the exact KL over the
+    # vocabulary at each answer position. Greedy rollouts bias the estimates upwards (argmax
+    # tokens): there full with kl_in_loss=true holds the policy (docs/ppo.md, item 8)
     kl_estimator: str = "k1"
     # false: -kl_coef x KL per token in the reward (PPO, REINFORCE++); true: kl_coef x KL
-    # (kl_estimator, GRPO's is k3) per token in the actor's loss, the reward is the score alone
+    # (kl_estimator, GRPO's is k3; full: its gradient reaches every token of each position's
+    # distribution) per token in the actor's loss, the reward is the score alone
     kl_in_loss: bool = False
     adaptive_kl: bool = False  # Ziegler et al.'s proportional controller towards kl_target
     # the adaptive controller's target: KL to the reference summed over an answer (per
