@@ -808,3 +808,75 @@ def varied_groups(scores: Tensor, group_size: int, atol: float = 1e-6) -> Tensor
     advantage everywhere: it would only dilute the batch."""
     s = _grouped(scores.float(), group_size)
     return (s.amax(1) - s.amin(1)) > atol
+
+
+def truncated_logits(
+    logits: Tensor, top_k: int = 0, top_p: float = 1.0, keep: Tensor | None = None
+) -> Tensor:
+    """The sampler's truncation of (..., V) temperature-scaled logits: top-k, then top-p (the
+    smallest set of the most likely tokens whose probability reaches top_p), the rest -inf, as
+    transformers' TopK / TopP warpers and vLLM apply them. top_k 0 and top_p 1: unchanged.
+    ``keep``: (...) token ids that stay in the set whatever the trainer's logits say (the tokens
+    the sampler drew: its logits may rank a borderline token differently)."""
+    out = logits
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1.0 - top_p
+        drop_sorted[..., -1] = False  # the most likely token always stays
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    if keep is not None and out is not logits:
+        index = keep.unsqueeze(-1)
+        out = out.scatter(-1, index, logits.gather(-1, index))
+    return out
+
+
+ROLLOUT_CORRECTIONS = ("none", "tis", "mask_token", "mask_sequence")
+
+
+def rollout_correction(
+    old_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    response_mask: Tensor,
+    mode: str,
+    cap: float = 2.0,
+    band: tuple[float, float] = (0.5, 2.0),
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The sampler / trainer mismatch correction of the policy-gradient loss: rollouts drawn by
+    another engine (vLLM's kernels, bf16) come from pi_sampler, not the trainer's pi_old.
+    old_logprobs, sampler_logprobs: (B, T) log pi_old and log pi_sampler of the answer tokens;
+    response_mask: (B, T). Returns per-token weights (B, T) (detached), the mask the loss keeps
+    (B, T) and stats:
+    - tis: truncated importance sampling, weight min(pi_old / pi_sampler, cap) (Yao et al. 2025);
+    - mask_token: tokens whose ratio leaves [band] are left out of the loss, weight 1;
+    - mask_sequence: answers whose geometric-mean ratio exp(mean log-ratio) leaves [band];
+    - none: weight 1.
+    Stats: tis_weight_mean, tis_clipfrac (tokens whose ratio exceeded cap), tis_masked_frac
+    (tokens masked out), tis_ratio_mean, over the real tokens."""
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout correction {mode!r}: one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    mask = response_mask.bool()
+    log_ratio = (_clean(old_logprobs, mask) - _clean(sampler_logprobs, mask)).detach()
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    weights, keep = torch.ones_like(ratio), mask
+    low, high = band
+    if mode == "tis":
+        weights = ratio.clamp(max=cap)
+    elif mode == "mask_token":
+        keep = mask & (ratio >= low) & (ratio <= high)
+    elif mode == "mask_sequence":
+        sequence = torch.exp(masked_mean(log_ratio, mask, dim=-1))  # (B,)
+        keep = mask & ((sequence >= low) & (sequence <= high)).unsqueeze(-1)
+    stats = {
+        "tis_weight_mean": masked_mean(weights, mask),
+        "tis_clipfrac": masked_mean((ratio > cap).float(), mask)
+        if mode == "tis"
+        else ratio.new_zeros(()),
+        "tis_masked_frac": masked_mean((mask & ~keep).float(), mask),
+        "tis_ratio_mean": masked_mean(ratio, mask),
+    }
+    return _clean(weights, keep), keep, stats

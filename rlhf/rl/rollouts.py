@@ -1,0 +1,144 @@
+"""Where answers are decoded (ppo.rollout_engine), for the rollouts and the held-out evaluation
+alike. hf: the actor's own module in rlhf's KV-cached transformers loop; vllm: a colocated vLLM
+engine in this process (rlhf.rl.vllm_engine), given the actor's weights by :meth:`sync` after
+every update. Both take the same Sampling and return the same Rollout layout."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from rlhf.config import Config
+from rlhf.dist import world_size
+from rlhf.engine import model_device
+from rlhf.rl.generation import Rollout, Sampling, generate
+from rlhf.rl.models import max_new_tokens
+from rlhf.rl.weight_sync import hf_weights
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Inside, torch's RNG (CPU, and the device's) starts from ``seed``; outside it continues
+    as if nothing had drawn from it. seed None: nothing changes."""
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def prompt_seeds(seed: int, count: int) -> list[int]:
+    """One seed per prompt of a batch sampled from ``seed``."""
+    return [seed * 1_009 + i for i in range(count)]
+
+
+class HFRollouts:
+    """The transformers path: the actor engine's module decodes (ZeRO-3 on several ranks with
+    synced_gpus), its RNG seeded per batch."""
+
+    def __init__(self, cfg: Config, actor, pad_id: int, end_id: int):
+        self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
+        self.synced = cfg.actor.zero.stage == 3 and world_size() > 1
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seed: int | None = None,
+        group_size: int = 1,
+        logprobs_temperature: float | None = None,
+    ) -> Rollout:
+        """``group_size`` answers to each prompt in contiguous rows; with
+        ``logprobs_temperature`` each answer token's log-prob under it. DeepSpeed-Chat's order:
+        ``engine.eval()`` (the hybrid engine swaps in its inference kernels) -> generate ->
+        ``engine.train()`` (the training kernels back before any log-prob or update)."""
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        self.actor.eval()
+        try:
+            with seeded(seed, model_device(self.actor)):
+                return generate(
+                    self.actor.module,
+                    rows,
+                    self.pad_id,
+                    self.end_id,
+                    sampling,
+                    self.synced,
+                    logprobs_temperature,
+                )
+        finally:
+            self.actor.train()
+
+    def sync(self) -> float | None:
+        """Nothing to push: the actor decodes with its own weights."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMPath:
+    """A colocated vLLM engine: every request seeded (from the batch's seed, or the run's), its
+    answers' log-probs those of the distribution drawn from (the sampler's, always returned)."""
+
+    def __init__(self, cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
+        from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
+
+        settings = cfg.ppo.vllm
+        self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
+        self.zero_stage = cfg.actor.zero.stage
+        self.bucket_bytes = settings.sync_bucket_mb << 20
+        on_gpu = torch.cuda.is_available()
+        spec = EngineSpec(
+            dtype=dtype,
+            max_model_len=cfg.data.max_prompt_len + max_new_tokens(cfg),
+            kv_cache_bytes=int(settings.kv_cache_gb * (1 << 30)) if settings.kv_cache_gb else None,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not on_gpu,
+            sleep=settings.sleep,
+            seed=cfg.seed,
+        )
+        self.engine = VLLMRollouts(actor, spec)
+        self.fallback_seed = cfg.seed * 1_000_003
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seed: int | None = None,
+        group_size: int = 1,
+        logprobs_temperature: float | None = None,
+    ) -> Rollout:
+        """As :meth:`HFRollouts.generate`; the rollout always carries the sampler's log-probs
+        (``logprobs_temperature`` is the sampling temperature here by construction)."""
+        if seed is None:  # every request is seeded: a resumed run draws the same answers
+            seed, self.fallback_seed = self.fallback_seed, self.fallback_seed + 1
+        seeds = prompt_seeds(seed, len(prompts))
+        return self.engine.generate(
+            prompts, self.pad_id, self.end_id, sampling, seeds=seeds, group_size=group_size
+        )
+
+    def sync(self) -> float:
+        """Push the actor's current weights (ZeRO-3 gathered in buckets, LoRA merged); the
+        seconds it took (every rank gathers; each pushes into its own engine)."""
+        return self.engine.push(hf_weights(self.actor, self.zero_stage, self.bucket_bytes))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_rollouts(cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
+    """ppo.rollout_engine's decoder for ``actor`` (a DeepSpeed engine); vllm is pushed the
+    actor's weights once here."""
+    if cfg.ppo.rollout_engine == "hf":
+        return HFRollouts(cfg, actor, pad_id, end_id)
+    rollouts = VLLMPath(cfg, actor, pad_id, end_id, dtype)
+    seconds = rollouts.sync()
+    log.info("vLLM rollouts: the actor's weights pushed in %.2f s", seconds)
+    return rollouts
