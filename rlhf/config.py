@@ -412,6 +412,32 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GENERATION_CACHES = ("dynamic", "static")
 
 
+ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mask_token", "mask_sequence")  # rlhf.algos'
+
+
+@dataclass
+class VLLMConfig:
+    """ppo.rollout_engine=vllm: the colocated engine's bounds (docs/vllm.md)."""
+
+    # the KV cache in GiB; null: 1 on CPU, on a GPU the gpu_memory_utilization share
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.3  # a GPU's share for the engine (weights + KV cache)
+    enforce_eager: bool | None = None  # no CUDA graphs / compilation; null: on CPU only
+    sleep: bool = True  # GPU: the engine frees its weights and KV cache between rollouts
+    sync_bucket_mb: int = 256  # ZeRO-3: the actor is gathered this much at a time per push
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            out.append(("kv_cache_gb", self.kv_cache_gb, "null or a float > 0"))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            out.append(("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"))
+        if self.sync_bucket_mb < 1:
+            out.append(("sync_bucket_mb", self.sync_bucket_mb, "an integer >= 1"))
+        return out
+
+
 @dataclass
 class RoleConfig:
     """One trained PPO model: its own model, ZeRO, LoRA and optimizer settings. Each key is the
@@ -489,6 +515,18 @@ class PPOConfig:
     # among all ranks' batches): the rollouts no longer depend on how many ranks share the
     # prompts (2 ranks sample what 1 process samples) or on what was drawn before
     seed_rollouts: bool = False
+    # hf: rlhf's KV-cached transformers decoding | vllm: vLLM in each training process
+    # (scripts/install_vllm.sh), the actor's weights pushed after every update; every request
+    # seeded (seed_rollouts implied). Rollouts, ReMax's greedy baseline and evaluation alike
+    rollout_engine: str = "hf"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vLLM engine's bounds
+    # the sampler / trainer mismatch correction of the policy-gradient loss: tis (each token's
+    # loss weighted by min(pi_trainer / pi_sampler, tis_cap)) | mask_token / mask_sequence
+    # (tokens / answers whose ratio leaves correction_band are left out) | none. null: tis with
+    # rollout_engine=vllm, none with hf (whose sampler is the trainer)
+    rollout_correction: str | None = None
+    tis_cap: float = 2.0  # tis's truncation C
+    correction_band: list[float] = field(default_factory=lambda: [0.5, 2.0])  # masking's band
     # the experience and update passes run over the rollout's rows packed end to end
     # (block-diagonal attention, like sft.packing) instead of padded to prompt + answer width.
     # null: on where every PPO model's attention takes a 4D mask (OPT, Llama with eager or sdpa
@@ -688,7 +726,72 @@ class PPOConfig:
                     "scores by the reward export's statistics)",
                 )
             )
-        return out + self.estimator_problems()
+        return out + self.estimator_problems() + self.rollout_problems()
+
+    @property
+    def correction(self) -> str:
+        """rollout_correction, resolved: null is tis with vLLM rollouts, none with hf."""
+        if self.rollout_correction is None:
+            return "tis" if self.rollout_engine == "vllm" else "none"
+        return self.rollout_correction
+
+    def rollout_problems(self) -> list[tuple[str, Any, str]]:
+        """The rollout engine and its correction."""
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            return [("rollout_engine", self.rollout_engine, f"one of {', '.join(ROLLOUT_ENGINES)}")]
+        out = []
+        if self.correction not in ROLLOUT_CORRECTIONS:
+            out.append(
+                (
+                    "rollout_correction",
+                    self.rollout_correction,
+                    f"null or one of {', '.join(ROLLOUT_CORRECTIONS)}",
+                )
+            )
+        if self.tis_cap < 1.0:
+            out.append(("tis_cap", self.tis_cap, "a float >= 1"))
+        low, high = [*self.correction_band, 0.0, 0.0][:2]
+        if len(self.correction_band) != 2 or not 0.0 <= low < 1.0 < high:
+            out.append(
+                (
+                    "correction_band",
+                    list(self.correction_band),
+                    "[low, high] with 0 <= low < 1 < high",
+                )
+            )
+        if self.rollout_engine == "hf":
+            if self.correction != "none":
+                out.append(
+                    (
+                        "rollout_correction",
+                        self.rollout_correction,
+                        "null or none with rollout_engine=hf (it corrects vLLM's log-probs; "
+                        "the hf path samples with the trainer's own weights and kernels)",
+                    )
+                )
+            return out
+        # vllm: the hf path's own decoding settings cannot be honoured there
+        hf_only = "unset (null) with rollout_engine=vllm: a setting of the hf path's decoding"
+        if self.drop_finished_rows is not None:
+            out.append(("drop_finished_rows", self.drop_finished_rows, hf_only))
+        if self.generation_cache != "dynamic":
+            out.append(
+                (
+                    "generation_cache",
+                    self.generation_cache,
+                    "dynamic with rollout_engine=vllm: a setting of the hf path's decoding",
+                )
+            )
+        if self.rollout_logprobs:
+            out.append(
+                (
+                    "rollout_logprobs",
+                    True,
+                    "null or false with rollout_engine=vllm (the old log-probs are the "
+                    "trainer's; the sampler's feed ppo.rollout_correction)",
+                )
+            )
+        return out
 
     def estimator_problems(self) -> list[tuple[str, Any, str]]:
         """The keys of the estimators and losses that need no registry (rlhf.registry checks
