@@ -729,6 +729,12 @@ class PPOConfig:
         return out + self.estimator_problems() + self.rollout_problems()
 
     @property
+    def truncates(self) -> bool:
+        """Whether top-k / top-p truncate the sampled distribution (the update then scores the
+        answers under the same truncation)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
     def correction(self) -> str:
         """rollout_correction, resolved: null is tis with vLLM rollouts, none with hf."""
         if self.rollout_correction is None:

@@ -253,9 +253,17 @@ class PPOEvaluator:
     sample_columns = ("prompt", "answer", "reward", "gold")
 
     def __init__(
-        self, cfg: Config, tokenizer, eval_rows, eot: int, score_position: str, reward_stats
+        self,
+        cfg: Config,
+        tokenizer,
+        eval_rows,
+        eot: int,
+        score_position: str,
+        reward_stats,
+        rollouts,
     ):
-        self.cfg, self.tokenizer, self.eot = cfg, tokenizer, eot
+        """``rollouts``: the decoder of the rollouts (rlhf.rl.rollouts: hf or vLLM)."""
+        self.cfg, self.tokenizer, self.eot, self.rollouts = cfg, tokenizer, eot, rollouts
         self.score_position, self.reward_stats = score_position, reward_stats
         ppo = cfg.ppo
         gold = checkable_rows(eval_rows, ppo.eval_prompts)
@@ -293,18 +301,14 @@ class PPOEvaluator:
 
     def _answers(self, models: Models, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
         """This rank's answers to its shard of ``rows``: reward, KL, length and grade of each."""
-        synced = self.cfg.actor.zero.stage == 3 and world_size() > 1
         out: dict[str, list] = {"reward": [], "kl": [], "length": [], "grade": []}
-        for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+        shards = eval_shards(len(rows), 64, world_size(), rank())
+        for batch_index, (indices, valid) in enumerate(shards):
             batch = [rows[i] for i in indices]
-            rollout = generate(
-                models.actor.module,
-                [r["prompt_ids"] for r in batch],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                sampling,
-                synced,
-            )
+            # the same seeds at every evaluation on vLLM (whose RNG is its own); the hf path
+            # samples from the process's RNG as before
+            seed = self.eval_seed(batch_index) if self.cfg.ppo.rollout_engine == "vllm" else None
+            rollout = self.rollouts.generate([r["prompt_ids"] for r in batch], sampling, seed)
             reward, kl = self._score(models, rollout, sampling)
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
@@ -322,6 +326,10 @@ class PPOEvaluator:
         if not self.checkable:
             del out["grade"]
         return out
+
+    def eval_seed(self, batch_index: int) -> int:
+        """The sampling seed of this rank's ``batch_index``-th evaluation batch."""
+        return (self.cfg.seed * 7_919 + batch_index) * 1_031 + rank()
 
     def _score(
         self, models: Models, rollout: Rollout, sampling: Sampling
@@ -343,6 +351,7 @@ class PPOEvaluator:
             ppo.kl_estimator,
             fp32=fp32,
             temperature=temperature,
+            truncation=(ppo.top_k, ppo.top_p) if ppo.truncates and not sampling.greedy else None,
         )
         response_mask = rollout.response_mask.to(device)
         kl_mask = response_mask

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -202,6 +203,15 @@ register_policy_loss("gspo", aggregation="seq-mean-token-mean")(algos.gspo_token
 register_policy_loss("cispo", dual_clip=False)(algos.cispo_token_loss)
 
 
+# ---------------------------------------------------------------- rollout corrections
+
+# ppo.rollout_correction: (old_logprobs, sampler_logprobs, response_mask, cap, band) -> (B, R)
+# token weights on the policy loss, the tokens kept, stats (rlhf.algos.rollout_correction)
+CORRECTIONS: dict[str, Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]] = {
+    mode: partial(algos.rollout_correction, mode=mode) for mode in algos.ROLLOUT_CORRECTIONS
+}
+
+
 # ---------------------------------------------------------------- what the loop asks
 
 
@@ -211,6 +221,13 @@ def estimator(ppo: PPOConfig) -> Estimator:
 
 def policy_loss(ppo: PPOConfig) -> PolicyLoss:
     return POLICY_LOSSES[ppo.policy_loss]
+
+
+def rollout_correction(ppo: PPOConfig) -> Callable[..., tuple[Tensor, Tensor, dict]]:
+    """The sampler / trainer mismatch correction (ppo.rollout_correction, resolved) with its cap
+    and band: (old_logprobs, sampler_logprobs, response_mask) -> (weights, kept, stats)."""
+    correct = CORRECTIONS[ppo.correction]
+    return partial(correct, cap=ppo.tis_cap, band=tuple(ppo.correction_band))
 
 
 def uses_critic(ppo: PPOConfig) -> bool:

@@ -42,6 +42,7 @@ from rlhf.config import (
     unknown_keys,
 )
 from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
+from rlhf.rl.vllm_engine import INSTALL_HINT, vllm_problem
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
 # one (a single token, every text encoded to nothing) instead of failing.
@@ -325,6 +326,9 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
                         f"checks {tasks_named} answers; {', '.join(others)} are not {tasks_named})",
                     )
                 )
+    if ppo.rollout_engine == "vllm" and config.actor.hybrid_engine:
+        why = "false with ppo.rollout_engine=vllm (vLLM decodes the rollouts)"
+        out.append(("actor.hybrid_engine", True, why))
     return out + _ptx_problems(config)
 
 

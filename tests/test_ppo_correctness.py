@@ -29,7 +29,7 @@ import torch
 from transformers import GenerationConfig, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
-from rlhf.config import ConfigError, LoraConfig, ModelConfig, register_configs, to_config
+from rlhf.config import ConfigError, LoraConfig, ModelConfig, PPOConfig, register_configs, to_config
 from rlhf.data.collate import left_pad, right_pad
 from rlhf.models import ValueModel, apply_lora
 from rlhf.rl import ema as ema_module
@@ -51,6 +51,7 @@ from rlhf.rl.models import (
     hybrid_engine_problem,
     refuse_dropout,
 )
+from rlhf.rl.rollouts import HFRollouts
 from rlhf.validate import dropout_problems
 from tests.conftest import compose, read_metrics
 from tests.test_ppo import Trained
@@ -227,9 +228,9 @@ def test_a_saved_generation_config_changes_neither_sampling_nor_greedy_answers(l
 
 
 def test_rollout_logprobs_default_to_a_recompute_outside_fp32():
-    def cfg(rollout_logprobs=None, hybrid=False, kl_estimator="k1"):
+    def cfg(rollout_logprobs=None, hybrid=False, kl_estimator="k1", **ppo):
         return SimpleNamespace(
-            ppo=SimpleNamespace(rollout_logprobs=rollout_logprobs, kl_estimator=kl_estimator),
+            ppo=PPOConfig(rollout_logprobs=rollout_logprobs, kl_estimator=kl_estimator, **ppo),
             actor=SimpleNamespace(hybrid_engine=hybrid),
         )
 
@@ -241,6 +242,10 @@ def test_rollout_logprobs_default_to_a_recompute_outside_fp32():
     assert uses_rollout_logprobs(cfg(None, hybrid=True), "fp32") is False
     # the exact KL needs the actor's distributions, which the sampler does not keep
     assert uses_rollout_logprobs(cfg(None, kl_estimator="full"), "fp32") is False
+    # vLLM's kernels are not the trainer's; a truncating sampler's record is the full softmax
+    assert uses_rollout_logprobs(cfg(None, rollout_engine="vllm"), "fp32") is False
+    assert uses_rollout_logprobs(cfg(None, top_k=5), "fp32") is False
+    assert uses_rollout_logprobs(cfg(None, top_p=0.9, greedy=True), "fp32") is True
 
 
 def test_logprob_gap_is_the_mean_and_max_absolute_difference_over_answer_tokens():
@@ -292,7 +297,10 @@ def test_rollouts_decode_on_inference_kernels_and_take_log_probs_on_training_ker
         actor=actor, reference=_lm(seed=6), critic=critic.module, reward=ConstantReward(1.0)
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
-    collect = Collector(models, cfg, PAD, EOS, Sampling(5, greedy=True), rollout_logprobs=False)
+    rollouts = HFRollouts(cfg, actor, PAD, EOS)
+    collect = Collector(
+        models, cfg, PAD, EOS, Sampling(5, greedy=True), rollout_logprobs=False, rollouts=rollouts
+    )
     collect(PROMPTS, SHAPING)
     assert actor.forwards, "the actor never ran"
     decoding, scoring = actor.forwards[:-1], actor.forwards[-1:]

@@ -28,6 +28,8 @@ class Shaping:
     score_position: str  # where the reward model's score is read: "last" | "mean"
     reward_stats: tuple[float, float] | None  # (mean, std) to normalise scores, or None
     temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
+    # (top_k, top_p) the sampler truncates with: log-probs are the truncated distribution's
+    truncation: tuple[int, float] | None = None
     packing: bool = False  # score packed rows (ppo.packing): no forward over padding
     # take the actor's and reference's log-probs from fp32 logits, as the update takes the
     # actor's (actor.optim.compute_fp32_loss): the first ratio is then exactly the update's
@@ -62,6 +64,7 @@ def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> S
         score_position=score_position,
         reward_stats=reward_stats,
         temperature=1.0 if ppo.greedy else ppo.temperature,
+        truncation=(ppo.top_k, ppo.top_p) if ppo.truncates else None,
         packing=ppo.packing,
         fp32_logits=cfg.actor.optim.compute_fp32_loss,
         unterminated_penalty=ppo.unterminated_penalty,

@@ -15,15 +15,16 @@ from typing import NamedTuple
 import torch
 
 from rlhf import algos
-from rlhf.config import Config
+from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
-from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
+from rlhf.dist import all_reduce_sum, max_over_ranks
 from rlhf.engine import model_device
-from rlhf.registry import ESTIMATORS, AdvantageInputs
+from rlhf.registry import ESTIMATORS, AdvantageInputs, rollout_correction
 from rlhf.rl.advantages import Shaping, outcome_rewards
-from rlhf.rl.generation import Rollout, Sampling, generate
+from rlhf.rl.generation import Rollout, Sampling
 from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
+from rlhf.rl.rollouts import HFRollouts, VLLMPath
 from rlhf.tracking import Throughput
 
 
@@ -48,6 +49,8 @@ class Experience(NamedTuple):
         kept with its penalty as its score).
     unterminated: (B,) True where the answer was cut at max_new_tokens (no end-of-text);
         None: not recorded.
+    sampler_logprobs: (B, R) log p of each response token under the engine that sampled it
+        (vLLM), for ppo.rollout_correction; None: the sampler is the trainer.
     """
 
     sequences: torch.Tensor
@@ -64,6 +67,7 @@ class Experience(NamedTuple):
     returns: torch.Tensor
     short: torch.Tensor
     unterminated: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> Experience:
         """The same experience restricted to rows ``index``."""
@@ -85,10 +89,13 @@ def response_logprobs(
     fp32: bool = False,
     temperature: float = 1.0,
     packing: RowPacking | None = None,
+    truncation: tuple[int, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, R) log-probs of the response tokens and the (B, R, V) logits that produced them,
     under the sampling temperature (so the ratio compares the distributions actually sampled).
-    With ``packing`` the forward pass runs over the packed rows (no padding)."""
+    With ``packing`` the forward pass runs over the packed rows (no padding). ``truncation``:
+    (top_k, top_p) the sampler truncated with: the log-probs are the truncated distribution's
+    (each answer token kept in its set); the logits returned stay whole."""
     if packing is None:
         logits = model(
             input_ids=sequences,
@@ -103,7 +110,11 @@ def response_logprobs(
     logits = logits.float() if fp32 else logits
     if temperature != 1.0:
         logits = logits / temperature
-    return algos.logprobs_from_logits(logits, sequences[:, start + 1 :]), logits
+    tokens = sequences[:, start + 1 :]
+    if truncation is None:
+        return algos.logprobs_from_logits(logits, tokens), logits
+    truncated = algos.truncated_logits(logits, *truncation, keep=tokens)
+    return algos.logprobs_from_logits(truncated, tokens), logits
 
 
 def answer_kl(
@@ -111,7 +122,8 @@ def answer_kl(
 ) -> torch.Tensor:
     """(B, R) KL(actor || reference) per answer token under ``estimator``: from the two models'
     log-probs of the answer's tokens, or for "full" from their (B, R, V) logits (kept only
-    then). ``logprob_args``: :func:`response_logprobs`' fp32 / temperature / packing."""
+    then). ``logprob_args``: :func:`response_logprobs`' fp32 / temperature / packing /
+    truncation."""
     logprobs, logits = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
     logits = logits if estimator == "full" else None  # freed before the reference's forward
     ref_logprobs, ref_logits = response_logprobs(
@@ -232,7 +244,12 @@ def _score(
     )
 
     packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
-    logprob_args = dict(fp32=shaping.fp32_logits, temperature=shaping.temperature, packing=packing)
+    logprob_args = dict(
+        fp32=shaping.fp32_logits,
+        temperature=shaping.temperature,
+        packing=packing,
+        truncation=shaping.truncation,
+    )
     exact_kl = shaping.kl_estimator == "full"  # needs both models' (B, R, V) logits
     old_logits = None
     # the sampling pass computed them, but keeps no distributions for the "full" KL
@@ -402,26 +419,49 @@ def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
     }
 
 
+def correction_metrics(experiences: list[Experience], ppo: PPOConfig) -> dict[str, float]:
+    """ppo/tis_weight_mean, ppo/tis_clipfrac, ppo/tis_masked_frac, ppo/tis_ratio_mean: the
+    sampler / trainer correction (ppo.rollout_correction) over every rank's answer tokens."""
+    correct = rollout_correction(ppo)
+    names = ("tis_weight_mean", "tis_clipfrac", "tis_masked_frac", "tis_ratio_mean")
+    sums = [0.0] * (len(names) + 1)
+    for e in experiences:
+        if e.sampler_logprobs is None:
+            continue
+        _, _, stats = correct(e.old_logprobs, e.sampler_logprobs, e.response_mask)
+        tokens = float(e.response_mask.sum())
+        for i, name in enumerate(names):
+            sums[i] += stats[name].item() * tokens
+        sums[-1] += tokens
+    *totals, tokens = all_reduce_sum(*sums)
+    return {f"ppo/{name}": total / max(tokens, 1.0) for name, total in zip(names, totals)}
+
+
 def concat(experiences: list[Experience]) -> Experience:
     """Stack generation batches (their widths may differ: pad on the right with masked zeros)."""
     if len(experiences) == 1:
         return experiences[0]
     prompt_width = max(e.prompt_width for e in experiences)
     response_width = max(e.response_mask.shape[1] for e in experiences)
-    return Experience(
-        *[
-            torch.cat([_pad(e, field, prompt_width, response_width) for e in experiences])
-            if field != "prompt_width"
-            else prompt_width
-            for field in Experience._fields
-        ]
-    )
+    stacked = {}
+    for name in Experience._fields:
+        if name == "prompt_width":
+            stacked[name] = prompt_width
+        elif name == "sampler_logprobs" and all(e.sampler_logprobs is None for e in experiences):
+            stacked[name] = None
+        else:
+            stacked[name] = torch.cat(
+                [_pad(e, name, prompt_width, response_width) for e in experiences]
+            )
+    return Experience(**stacked)
 
 
 def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> torch.Tensor:
     value = getattr(e, field)
     if field == "unterminated" and value is None:
         return torch.zeros_like(e.short)
+    if field == "sampler_logprobs" and value is None:  # the trainer's own: no mismatch
+        value = e.old_logprobs
     if field in ("scores", "short", "unterminated"):
         return value
     if field in ("sequences", "attention_mask"):  # left-pad prompts, right-pad responses
@@ -433,11 +473,15 @@ def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> t
 
 def uses_rollout_logprobs(cfg: Config, dtype: str) -> bool:
     """ppo.rollout_logprobs resolved: null takes the old log-probs from the sampling pass in fp32
-    only. In bf16 / fp16 the KV-cached decoding computes other logits than the update's full
+    only (never from vLLM's, nor where top-k / top-p truncate the sampling). In bf16 / fp16 the KV-cached decoding computes other logits than the update's full
     forward, so the first ratio would not be 1 and the KL to the reference would get a floor.
     Never with the hybrid engine: its inference kernels compute other logits again. Never with
     the "full" KL, which needs the actor's distributions, not only its tokens' log-probs."""
     if cfg.actor.hybrid_engine or cfg.ppo.kl_estimator == "full":
+        return False
+    # vLLM's kernels are not the trainer's; a top-k / top-p sampler records log-probs of the
+    # full distribution, the update scores the truncated one
+    if cfg.ppo.rollout_engine == "vllm" or cfg.ppo.truncates:
         return False
     if cfg.ppo.rollout_logprobs is None:
         return dtype == "fp32"
@@ -486,28 +530,16 @@ def trainer_logprobs(actor, exp: Experience, shaping: Shaping) -> torch.Tensor:
             shaping.fp32_logits,
             shaping.temperature,
             packing,
+            shaping.truncation,
         )
     return logprobs.float()
 
 
-@contextmanager
-def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Inside, torch's RNG (CPU, and the device's) starts from ``seed``; outside it continues
-    as if nothing had drawn from it. seed None: nothing changes."""
-    if seed is None:
-        yield
-        return
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
 @dataclass
 class Collector:
-    """Rollouts of the actor for batches of prompts, scored by the four models into
-    Experiences; ``speed`` times the generation, ``gap`` sums the sampler / trainer log-prob
-    differences of the rollouts measured."""
+    """Rollouts of the actor for batches of prompts, decoded by ``rollouts`` (ppo.rollout_engine)
+    and scored by the four models into Experiences; ``speed`` times the generation, ``gap``
+    sums the sampler / trainer log-prob differences of the rollouts measured."""
 
     models: Models
     cfg: Config
@@ -515,6 +547,9 @@ class Collector:
     eot: int
     sampling: Sampling
     rollout_logprobs: bool  # old log-probs from the sampling pass (uses_rollout_logprobs)
+    rollouts: HFRollouts | VLLMPath
+    # keep the sampler's log-probs in each Experience for ppo.rollout_correction
+    keep_sampler_logprobs: bool = False
     speed: Throughput = field(default_factory=Throughput)
     gap: LogprobGap = field(default_factory=LogprobGap)
 
@@ -532,19 +567,24 @@ class Collector:
         was), so the answers do not depend on what this rank sampled before."""
         models = self.models
         self.speed.start()
-        record = self.rollout_logprobs or measure_gap
-        group_prompts = [ids for ids in prompt_ids for _ in range(shaping.group_size)]
-        with seeded(seed, model_device(models.actor)):
-            rollout = self.generate(group_prompts, shaping.temperature if record else None)
+        record = self.rollout_logprobs or measure_gap or self.keep_sampler_logprobs
+        rollout = self.rollouts.generate(
+            prompt_ids,
+            self.sampling,
+            seed,
+            shaping.group_size,
+            shaping.temperature if record else None,
+        )
         tokens = int(rollout.response_mask.sum())
         baselines = None
         if ESTIMATORS[shaping.estimator].greedy_baseline:
             baselines, greedy_tokens = self.greedy_baselines(prompt_ids, shaping)
             tokens += greedy_tokens
-        self.speed.stop(tokens, len(group_prompts))
+        self.speed.stop(tokens, len(prompt_ids) * shaping.group_size)
         sampled = rollout.logprobs
         if not self.rollout_logprobs:
             rollout = rollout._replace(logprobs=None)  # make_experience recomputes them
+        device = model_device(models.actor)
         exp = make_experience(
             rollout,
             models.actor,
@@ -552,9 +592,11 @@ class Collector:
             models.critic,
             models.reward,
             shaping,
-            model_device(models.actor),
+            device,
             baselines,
         )
+        if self.keep_sampler_logprobs:
+            exp = exp._replace(sampler_logprobs=sampled.to(device).float())
         if measure_gap:
             trained = exp.old_logprobs if rollout.logprobs is None else None
             if trained is None:
@@ -569,7 +611,7 @@ class Collector:
         """ReMax's baselines: (B x group_size,) the reward of a greedy answer to each prompt
         (scored, normalised and penalised as the sampled answers are), repeated over the
         prompt's group; and the greedy answers' token count."""
-        rollout = self.generate(prompt_ids, None, replace(self.sampling, greedy=True))
+        rollout = self.rollouts.generate(prompt_ids, replace(self.sampling, greedy=True))
         device = model_device(self.models.actor)
         sequences, attention_mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
         answer_mask = rollout.response_mask.to(device)
@@ -578,28 +620,3 @@ class Collector:
         scores = normalised_scores(self.models.reward, sequences, attention_mask, rollout, shaping)
         baselines = outcome_rewards(scores, short, unterminated, answer_mask, shaping)
         return baselines.repeat_interleave(shaping.group_size), int(answer_mask.sum())
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        logprobs_temperature: float | None,
-        sampling: Sampling | None = None,
-    ) -> Rollout:
-        """DeepSpeed-Chat's order: ``engine.eval()`` (the hybrid engine swaps in its inference
-        kernels and its generate) -> generate -> ``engine.train()`` (the training kernels back
-        before any log-prob, value or update). A plain engine only switches dropout.
-        ``sampling``: other settings than the rollouts' (ReMax's greedy baseline)."""
-        actor = self.models.actor
-        actor.eval()
-        try:
-            return generate(
-                actor.module,
-                prompt_ids,
-                self.pad_id,
-                self.eot,
-                sampling or self.sampling,
-                synced_gpus=self.cfg.actor.zero.stage == 3 and world_size() > 1,
-                logprobs_temperature=logprobs_temperature,
-            )
-        finally:
-            actor.train()

@@ -16,6 +16,7 @@ from rlhf.dist import world_size
 from rlhf.engine import model_device
 from rlhf.rl.generation import Rollout, Sampling, generate
 from rlhf.rl.models import max_new_tokens
+from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
 from rlhf.rl.weight_sync import hf_weights
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,6 @@ class VLLMPath:
     answers' log-probs those of the distribution drawn from (the sampler's, always returned)."""
 
     def __init__(self, cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
-        from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
-
         settings = cfg.ppo.vllm
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.zero_stage = cfg.actor.zero.stage
@@ -100,7 +99,9 @@ class VLLMPath:
             max_model_len=cfg.data.max_prompt_len + max_new_tokens(cfg),
             kv_cache_bytes=int(settings.kv_cache_gb * (1 << 30)) if settings.kv_cache_gb else None,
             gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not on_gpu,
+            enforce_eager=settings.enforce_eager
+            if settings.enforce_eager is not None
+            else not on_gpu,
             sleep=settings.sleep,
             seed=cfg.seed,
         )
@@ -134,11 +135,9 @@ class VLLMPath:
 
 
 def build_rollouts(cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
-    """ppo.rollout_engine's decoder for ``actor`` (a DeepSpeed engine); vllm is pushed the
-    actor's weights once here."""
+    """ppo.rollout_engine's decoder for ``actor`` (a DeepSpeed engine); vLLM's engine holds
+    dummy weights until the first :meth:`VLLMPath.sync`."""
     if cfg.ppo.rollout_engine == "hf":
         return HFRollouts(cfg, actor, pad_id, end_id)
-    rollouts = VLLMPath(cfg, actor, pad_id, end_id, dtype)
-    seconds = rollouts.sync()
-    log.info("vLLM rollouts: the actor's weights pushed in %.2f s", seconds)
-    return rollouts
+    log.info("rollouts on vLLM (ppo.rollout_engine=vllm): building the engine")
+    return VLLMPath(cfg, actor, pad_id, end_id, dtype)

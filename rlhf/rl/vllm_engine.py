@@ -33,7 +33,7 @@ from rlhf.rl.weight_sync import hf_model
 log = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-INSTALL_HINT = "install it with scripts/install_vllm.sh (a GPU machine: pip install vllm)"
+INSTALL_HINT = "scripts/install_vllm.sh installs it; on a GPU machine: pip install vllm"
 
 
 def vllm_problem() -> str | None:

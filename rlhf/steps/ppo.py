@@ -35,6 +35,7 @@ from rlhf.rl.experience import (
     Collector,
     Experience,
     concat,
+    correction_metrics,
     keep_varied_groups,
     response_logprobs,
     response_values,
@@ -53,6 +54,7 @@ from rlhf.rl.models import (
     reward_settings,
 )
 from rlhf.rl.ptx import PTXBatches
+from rlhf.rl.rollouts import build_rollouts
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo, TrainState, total_steps
 from rlhf.tracking import Throughput
 
@@ -120,6 +122,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         cfg = replace(cfg, ppo=ppo)
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     kl = kl_controller(ppo)
+    # the decoder of rollouts and evaluation (ppo.rollout_engine); vLLM's engine is built here,
+    # once, and given the actor's weights after the resume below and after every update
+    rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype)
     collect = Collector(
         models,
         cfg,
@@ -127,6 +132,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         eot,
         rollout_sampling(cfg, max_new_tokens(cfg)),
         rollout_logprobs=uses_rollout_logprobs(cfg, dtype),
+        rollouts=rollouts,
+        keep_sampler_logprobs=ppo.correction != "none",
     )
     if collect.sampling.drop_finished and cfg.actor.zero.stage == 3 and world_size() > 1:
         log.info(
@@ -163,7 +170,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     run = Run(
         composed, info, "ppo", engines, iterations, shown=("ppo/reward", "ppo/kl"), started=started
     )
-    evaluator = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats)
+    evaluator = PPOEvaluator(cfg, tokenizer, eval_rows, eot, score_position, reward_stats, rollouts)
     if run.resumed:
         kl.load_state_dict(run.trainer["kl_controller"])
         evaluator.first, evaluator.warnings = run.trainer["evaluator"]
@@ -177,6 +184,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         "ptx": ptx.state_dict() if ptx is not None else None,
     }
     run.extra_files = ema.save if ema is not None else None
+    rollouts.sync()  # the resumed (or initial) weights
     run.evaluate_first(evaluator, models)
 
     # 4. iterations: generate -> score -> advantages (-> dynamic sampling) -> PPO epochs -> EMA,
@@ -205,7 +213,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
                     experiences,
                     ppo.num_samples_per_prompt,
                     lambda round_, rules=rules: collect(
-                        refill_prompts(prompts, cfg, state.global_step, round_), rules
+                        refill_prompts(prompts, cfg, state.global_step, round_),
+                        rules,
+                        seed=rollout_seed(cfg, state.global_step, refill_batch(round_)),
                     ),
                     ppo.dynamic_sampling_rounds,
                 )
@@ -220,23 +230,27 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             rollout_stats = rollout_metrics(experiences)
             if ema is not None:
                 ema.update(models.actor.module)
+            sync_seconds = rollouts.sync()  # vLLM: the updated actor's weights
             kl.update(rollout_stats["ppo/kl"], plan.global_batch_size)
             state.advance(plan.steps_per_epoch, plan.global_batch_size, 0)
             metrics = {
                 **rollout_stats,
                 **group_stats,
                 **(collect.gap.metrics() if measure_gap else {}),
+                **(correction_metrics(experiences, ppo) if ppo.correction != "none" else {}),
                 **update_stats,
                 "ppo/kl_coef": kl.value,
                 "ppo/skipped_updates": run.guard.skipped,
                 "perf/s_per_iter": time.perf_counter() - iteration_started,
                 "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
                 **train_speed.metrics(),
+                **({"perf/weight_sync_s": sync_seconds} if sync_seconds is not None else {}),
             }
             run.end_step(metrics, evaluate=lambda: run.evaluate(evaluator, models))
 
     # 5. final evaluation, exports, summary
     final = run.evaluate(evaluator, models)
+    rollouts.close()
     if cfg.step.save_model:
         export_models(models, ema, cfg, tokenizer, info.run_dir)
     return run.finish(
@@ -269,11 +283,18 @@ def _steps_per_rollout(ppo) -> int:
 
 
 def rollout_seed(cfg: Config, step: int, batch: int) -> int | None:
-    """ppo.seed_rollouts: the sampling seed of generation batch ``batch`` (its place among all
-    ranks' batches of the iteration) at iteration ``step``; None: the process's RNG."""
-    if not cfg.ppo.seed_rollouts:
+    """ppo.seed_rollouts (always with vLLM, whose RNG no checkpoint holds): the sampling seed of
+    generation batch ``batch`` (its place among all ranks' batches of the iteration) at
+    iteration ``step``; None: the process's RNG."""
+    if not cfg.ppo.seed_rollouts and cfg.ppo.rollout_engine != "vllm":
         return None
     return (cfg.seed * 1_000_003 + step) * 10_007 + batch
+
+
+def refill_batch(round_: int) -> int:
+    """Dynamic sampling's extra batch of ``round_`` on this rank, numbered past every rank's
+    regular batches (see rollout_seed)."""
+    return 5_000 + round_ * 101 + rank()
 
 
 def refill_prompts(prompts, cfg: Config, step: int, round_: int) -> list[list[int]]:
@@ -446,8 +467,16 @@ def actor_loss(
     start = exp.prompt_width - 1
     temperature = 1.0 if ppo.greedy else ppo.temperature
     fp32 = cfg.actor.optim.compute_fp32_loss
+    truncation = (ppo.top_k, ppo.top_p) if ppo.truncates else None
     logprobs, logits = response_logprobs(
-        models.actor, exp.sequences, exp.attention_mask, start, fp32, temperature, packing
+        models.actor,
+        exp.sequences,
+        exp.attention_mask,
+        start,
+        fp32,
+        temperature,
+        packing,
+        truncation,
     )
     clip_low, clip_high = registry.clip_range(ppo)
     token_loss, stats = registry.policy_loss(ppo).compute(
@@ -459,6 +488,11 @@ def actor_loss(
         clip_high,
         ppo.dual_clip,
     )
+    if exp.sampler_logprobs is not None:  # another engine sampled: weigh (or mask) its tokens
+        weights, _, _ = registry.rollout_correction(ppo)(
+            exp.old_logprobs, exp.sampler_logprobs, exp.response_mask
+        )
+        token_loss = token_loss * weights
     max_tokens = max_new_tokens(cfg)
     policy = algos.aggregate_loss(token_loss, exp.response_mask, aggregation, max_tokens)
     # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
