@@ -42,7 +42,7 @@ from rlhf.config import (
     unknown_keys,
 )
 from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
-from rlhf.rl.vllm_engine import INSTALL_HINT, vllm_problem
+from rlhf.rl.vllm_engine import vllm_problem
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
 # one (a single token, every text encoded to nothing) instead of failing.
@@ -703,11 +703,15 @@ def hub_problems(config: Config) -> list[str]:
 
 
 def launch_problems(config: Config) -> list[str]:
-    """Hub ids, a stale DeepSpeed build lock, a W&B login that is not there."""
+    """Hub ids, vLLM where the rollouts need it, a stale DeepSpeed build lock, a W&B login that
+    is not there."""
     from rlhf.engine import cpu_adam_lock_problem
     from rlhf.tracking import wandb_problem
 
     out = hub_problems(config)
+    decodes_on_vllm = config.step.name in ("ppo", "all") and config.ppo.rollout_engine == "vllm"
+    if decodes_on_vllm and (problem := vllm_problem()):
+        out.append(f"ppo.rollout_engine=vllm: {problem}")
     offloaded = [p for p, _, zero in _trained(config) if zero.offload and zero.stage > 0]
     if offloaded:
         out.append(cpu_adam_lock_problem(f"{offloaded[0]}zero.offload"))

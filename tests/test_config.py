@@ -180,6 +180,47 @@ def test_step1_sweep_is_deepspeed_chats_grid():
 
 BAD_VALUES = [
     # overrides, key, value as reported, a piece of what is accepted
+    (["ppo.rollout_engine=sglang"], "ppo.rollout_engine", "'sglang'", "one of hf, vllm"),
+    (
+        ["ppo.rollout_engine=vllm", "actor.hybrid_engine=true"],
+        "actor.hybrid_engine",
+        "True",
+        "vLLM decodes the rollouts",
+    ),
+    (["ppo.rollout_correction=tis"], "ppo.rollout_correction", "'tis'", "rollout_engine=hf"),
+    (
+        ["ppo.rollout_engine=vllm", "ppo.rollout_correction=icepop"],
+        "ppo.rollout_correction",
+        "'icepop'",
+        "one of none, tis, mask_token, mask_sequence",
+    ),
+    (["ppo.rollout_engine=vllm", "ppo.tis_cap=0.5"], "ppo.tis_cap", "0.5", ">= 1"),
+    (
+        ["ppo.rollout_engine=vllm", "ppo.correction_band=[1,2]"],
+        "ppo.correction_band",
+        "[1.0, 2.0]",
+        "0 <= low < 1 < high",
+    ),
+    (
+        ["ppo.rollout_engine=vllm", "ppo.generation_cache=static"],
+        "ppo.generation_cache",
+        "'static'",
+        "hf path's decoding",
+    ),
+    (
+        ["ppo.rollout_engine=vllm", "ppo.drop_finished_rows=false"],
+        "ppo.drop_finished_rows",
+        "False",
+        "hf path's decoding",
+    ),
+    (
+        ["ppo.rollout_engine=vllm", "ppo.rollout_logprobs=true"],
+        "ppo.rollout_logprobs",
+        "True",
+        "the old log-probs are the trainer's",
+    ),
+    (["ppo.vllm.sync_bucket_mb=0"], "ppo.vllm.sync_bucket_mb", "0", ">= 1"),
+    (["ppo.vllm.kv_cache_gb=0"], "ppo.vllm.kv_cache_gb", "0.0", "null or a float > 0"),
     (["ppo.reward_function=nope"], "ppo.reward_function", "'nope'", "module:function"),
     (
         ["ppo.reward_function=json:no_such_function"],
@@ -253,6 +294,23 @@ def test_bad_value_is_refused_naming_key_value_and_accepted(overrides, key, valu
     [line] = [ln for ln in str(err.value).splitlines() if ln.strip().startswith(f"{key}=")]
     assert line.strip().startswith(f"{key}={value}: expected ")
     assert accepted in line
+
+
+def test_the_corrections_the_config_names_are_the_registrys():
+    from rlhf import registry
+    from rlhf.config import ROLLOUT_CORRECTIONS
+
+    assert tuple(registry.CORRECTIONS) == ROLLOUT_CORRECTIONS
+
+
+def test_vllm_rollouts_where_vllm_is_missing_are_refused_before_any_model(monkeypatch):
+    from rlhf import validate
+
+    monkeypatch.setattr(validate, "vllm_problem", lambda: "vLLM is not installed here")
+    config = validated(compose(["step=all", "ppo.rollout_engine=vllm"]))
+    assert "ppo.rollout_engine=vllm: vLLM is not installed here" in validate.launch_problems(config)
+    config = validated(compose(["step=sft", "ppo.rollout_engine=vllm"]))
+    assert not any("vLLM" in p for p in validate.launch_problems(config))
 
 
 def test_every_problem_is_reported_at_once():

@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
 
+from rlhf import algos
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights
@@ -178,33 +178,25 @@ def test_answers_run_to_max_new_tokens_without_the_stop(engine, actor, tokenizer
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.6), (8, 0.7)])
 def test_top_k_top_p_are_honoured_and_scored_as_drawn(engine, actor, tokenizer, top_k, top_p):
-    """Every sampled token lies in the truncated set of the trainer's distribution, and its
-    log-prob is the truncated, renormalised one (transformers' own top-k / top-p warpers)."""
+    """Every sampled token lies in the truncated set of the trainer's distribution, and the
+    trainer's scoring under the same truncation (what the update uses) gives the engine's
+    log-probs; the whole distribution's would not."""
     _perturb(actor, seed=3)
     engine.push(hf_weights(actor, zero_stage=0))
     sampling = Sampling(max_new_tokens=12, temperature=0.8, top_k=top_k, top_p=top_p)
-    rollout = engine.generate(
-        _prompts(tokenizer),
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        sampling,
-        seeds=range(8),
-    )
-    start = rollout.prompt_width - 1
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    rollout = engine.generate(_prompts(tokenizer), pad, eos, sampling, seeds=range(8))
+    args = (actor, rollout.sequences, rollout.attention_mask, rollout.prompt_width - 1)
     with torch.no_grad():
-        _, logits = response_logprobs(
-            actor, rollout.sequences, rollout.attention_mask, start, temperature=0.8
-        )
-    flat = logits.reshape(-1, logits.shape[-1])
-    if top_k:
-        flat = TopKLogitsWarper(top_k)(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p)(None, flat)
-    truncated = torch.log_softmax(flat, -1).view_as(logits)
-    tokens = rollout.sequences[:, start + 1 :]
-    expected = truncated.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)[rollout.response_mask]
-    assert torch.isfinite(expected).all()  # drawn from inside the truncated set
-    assert (expected - rollout.logprobs[rollout.response_mask]).abs().max() < 1e-4
+        truncated, logits = response_logprobs(*args, temperature=0.8, truncation=(top_k, top_p))
+        whole, _ = response_logprobs(*args, temperature=0.8)
+    mask = rollout.response_mask
+    tokens = rollout.sequences[:, rollout.prompt_width :]
+    # drawn from inside the trainer's own truncated set (no token needed keeping)
+    inside = algos.truncated_logits(logits, top_k, top_p).gather(-1, tokens.unsqueeze(-1))
+    assert torch.isfinite(inside.squeeze(-1)[mask]).all()
+    assert (truncated - rollout.logprobs)[mask].abs().max() < 1e-4
+    assert (whole - rollout.logprobs)[mask].abs().max() > 1e-2
 
 
 @pytest.mark.slow

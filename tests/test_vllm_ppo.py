@@ -1,0 +1,117 @@
+"""PPO and the critic-free estimators with rollouts on vLLM (ppo.rollout_engine=vllm), end to
+end on a reduced embedded default: the engine is given the actor's weights after every update
+(its log-probs then equal the trainer's in fp32, iteration after iteration), the correction is
+logged, groups come from vLLM's n and ReMax's baseline from its greedy decoding, a run killed
+with SIGKILL resumes to the uninterrupted run's metrics, and ZeRO-3 on 2 ranks runs with one
+engine a rank."""
+
+import signal
+
+import pytest
+
+from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# vLLM's CPU attention takes head sizes of 32 and up: FAST's 64-wide model has 16
+SHAPE = {"model.init.hidden_size": "128", "model.init.word_embed_proj_dim": "128"}
+SMALL = [o for o in FAST if o.split("=", 1)[0] not in SHAPE] + [
+    f"{k}={v}" for k, v in SHAPE.items()
+]
+KILLED = -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def sft(cache_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("vllm-sft")
+    overrides = ["step=sft", *SMALL, "step.max_steps=40", *cache_overrides(cache_dir)]
+    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    return run_dir / "model"
+
+
+def _ppo(sft, cache_dir, *overrides) -> list[str]:
+    return [
+        "step=ppo",
+        *SMALL,
+        f"actor.model.path={sft}",
+        f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
+        "ppo.reward_function=tests.test_critic_free:answer_length",
+        "ppo.per_device_generation_batch_size=8",
+        "ppo.per_device_training_batch_size=8",
+        "ppo.max_new_tokens=16",
+        "ppo.eval_prompts=8",
+        "ppo.rollout_engine=vllm",
+        "ppo.logprob_gap_interval=1",
+        "step.log_interval=1",
+        *overrides,
+        *cache_overrides(cache_dir),
+    ]
+
+
+def _training_rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "ppo/actor_loss" in r]
+
+
+def test_ppo_pushes_the_weights_after_every_update(sft, cache_dir, tmp_path):
+    run_rlhf(_ppo(sft, cache_dir, "step.max_steps=3"), tmp_path, extra_env=ONE_THREAD)
+    rows = _training_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["perf/weight_sync_s"] > 0
+        # the engine samples with the weights the trainer scores with (fp32), every iteration
+        assert row["ppo/logprob_diff_max"] < 1e-4
+        assert row["ppo/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["ppo/tis_clipfrac"] == 0
+    assert rows[-1]["ppo/approx_kl"] > 0  # the actor did move between pushes
+    summary = read_summary(tmp_path)
+    assert summary["eval/reward"] != summary["initial/eval/reward"]
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"],
+        ["ppo.advantage_estimator=remax"],
+    ],
+    ids=["grpo", "remax"],
+)
+def test_critic_free_estimators_sample_on_vllm(estimator, sft, cache_dir, tmp_path):
+    run_rlhf(
+        _ppo(sft, cache_dir, "step.max_steps=2", "ppo.top_k=20", "ppo.top_p=0.9", *estimator),
+        tmp_path,
+        extra_env=ONE_THREAD,
+    )
+    rows = _training_rows(tmp_path)
+    assert len(rows) == 2
+    # a truncated sampler, scored by the trainer under the same truncation
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)
+    assert not (tmp_path / "critic").exists()
+
+
+def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_dir, tmp_path):
+    overrides = _ppo(sft, cache_dir, "step.max_steps=4", "step.checkpoint_interval=2")
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_rlhf(overrides, reference, extra_env=ONE_THREAD)
+    killed = run_rlhf(
+        [*overrides, "debug.kill_at_step=3"], resumed, extra_env=ONE_THREAD, check=False
+    )
+    assert killed.returncode == KILLED, killed.stderr[-3000:]
+    run_rlhf(overrides, resumed, extra_env=ONE_THREAD)  # resume=auto from step 2
+
+    def comparable(run_dir):
+        return [
+            {k: v for k, v in row.items() if not k.startswith("perf/")}
+            for row in read_metrics(run_dir)
+        ]
+
+    assert len(_training_rows(reference)) == 4
+    assert comparable(resumed) == comparable(reference)
+
+
+def test_zero3_on_two_ranks_with_an_engine_a_rank(sft, cache_dir, tmp_path):
+    overrides = _ppo(sft, cache_dir, "step.max_steps=2", "zero=stage3")
+    run_rlhf(overrides, tmp_path, nproc=2, extra_env=ONE_THREAD)
+    rows = _training_rows(tmp_path)
+    assert len(rows) == 2
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # both ranks' engines synced
