@@ -99,7 +99,8 @@ def test_ppo_step_has_the_published_step3_values(exports):
     assert (c.actor.zero.stage, c.critic.zero.stage) == (2, 2)
     assert not c.actor.zero.offload and not c.critic.zero.offload
     assert (c.actor.lora.rank, c.critic.lora.rank) == (0, 0)
-    assert c.actor.hybrid_engine is True  # --enable_hybrid_engine (GPU; refused on CPU at run time)
+    # --enable_hybrid_engine: vLLM rollouts in its place
+    assert c.ppo.rollout_engine == "vllm" and c.actor.hybrid_engine is False
     assert not c.actor.offload_twin and not c.critic.offload_twin
     p = c.ppo
     assert p.prompt_sources == ["rm-static"]  # --data_path Dahoas/rm-static
@@ -233,7 +234,8 @@ def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
                         assert (lo.alpha, lo.module_filter) == (128, "decoder.layers.")
                         assert not lo.only_optimize_lora and lo.learning_rate == 5e-4
     assert ranks == {0, 128}
-    on_gpu = validated(compose_sweep("step3", [*exports, RECIPE, "actor.hybrid_engine=true"]))
+    hybrid = [*exports, RECIPE, "actor.hybrid_engine=true", "ppo.rollout_engine=hf"]
+    on_gpu = validated(compose_sweep("step3", hybrid))
     assert on_gpu.actor.hybrid_engine is True and not on_gpu.critic.hybrid_engine
     published = validated(compose_sweep("step3", [*exports, RECIPE]))
     assert (published.actor.optim.lr, published.critic.optim.lr) == (9.65e-6, 5e-6)
