@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scale", type=float, default=1.0, help="dschat: its rows and PPO iterations times this"
     )
     p.add_argument(
+        "--rollout-engine",
+        default="hf",
+        choices=("hf", "vllm"),
+        help="the fast PPO mode's ppo.rollout_engine (vllm: scripts/install_vllm.sh; the "
+        "baseline always decodes with rlhf's own loop)",
+    )
+    p.add_argument(
         "--ppo-decoding",
         default="sampled",
         choices=("greedy", "sampled"),
@@ -459,6 +466,8 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "ppo.eval_prompts=16",
         ]
         fast_ppo = ["ppo.packing=false"] if args.no_packing else []
+        if args.rollout_engine != "hf":  # the fast mode is rlhf's defaults otherwise
+            fast_ppo.append(f"ppo.rollout_engine={args.rollout_engine}")
         attention = [f"actor.model.{BASELINE_ATTENTION}", f"critic.model.{BASELINE_ATTENTION}"]
         modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE, *attention]}
         return dschat_modes(section, modes, args) if args.scenario == "dschat" else modes
