@@ -63,7 +63,7 @@ def test_ppo_pushes_the_weights_after_every_update(sft, cache_dir, tmp_path):
         assert row["ppo/logprob_diff_max"] < 1e-4
         assert row["ppo/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert row["ppo/tis_clipfrac"] == 0
-    assert rows[-1]["ppo/approx_kl"] > 0  # the actor did move between pushes
+    assert abs(rows[-1]["ppo/kl"]) > 0  # the actor did move away from the reference
     summary = read_summary(tmp_path)
     assert summary["eval/reward"] != summary["initial/eval/reward"]
 
