@@ -22,6 +22,7 @@ from rlhf.rl.experience import (
     make_experience,
 )
 from rlhf.rl.generation import Sampling, generate
+from rlhf.rl.rollouts import HFRollouts
 from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
@@ -159,7 +160,8 @@ def _collector() -> Collector:
         reward=LengthReward(),
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
-    return Collector(models, cfg, PAD, EOS, Sampling(5), rollout_logprobs=False)
+    rollouts = HFRollouts(cfg, models.actor, PAD, EOS)
+    return Collector(models, cfg, PAD, EOS, Sampling(5), rollout_logprobs=False, rollouts=rollouts)
 
 
 def test_each_prompt_is_answered_by_a_group_of_contiguous_rows():
