@@ -94,7 +94,11 @@ def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_di
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     run_rlhf(overrides, reference, extra_env=ONE_THREAD)
     killed = run_rlhf(
-        [*overrides, "debug.kill_at_step=3"], resumed, extra_env=ONE_THREAD, check=False
+        [*overrides, "debug.kill_at_step=3"],
+        resumed,
+        extra_env=ONE_THREAD,
+        check=False,
+        timeout=1800,
     )
     assert killed.returncode == KILLED, killed.stderr[-3000:]
     run_rlhf(overrides, resumed, extra_env=ONE_THREAD)  # resume=auto from step 2
@@ -111,7 +115,7 @@ def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_di
 
 def test_zero3_on_two_ranks_with_an_engine_a_rank(sft, cache_dir, tmp_path):
     overrides = _ppo(sft, cache_dir, "step.max_steps=2", "zero=stage3")
-    run_rlhf(overrides, tmp_path, nproc=2, extra_env=ONE_THREAD)
+    run_rlhf(overrides, tmp_path, nproc=2, extra_env=ONE_THREAD, timeout=1800)
     rows = _training_rows(tmp_path)
     assert len(rows) == 2
     assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # both ranks' engines synced
