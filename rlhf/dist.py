@@ -95,20 +95,32 @@ def gather_lists(items: list) -> list:
 
 def init_distributed(device: str, timeout_s: int = 1800) -> None:
     """Join (or, for a plain ``python -m rlhf``, create) the process group through DeepSpeed's
-    comm layer. Launchers (torchrun, deepspeed) set RANK/WORLD_SIZE/MASTER_*; a single process
-    gets a private free port."""
+    comm layer. Launchers (torchrun, deepspeed, srun) set RANK/WORLD_SIZE/MASTER_*; a single
+    process makes a group of one over an in-memory store, with no port to listen on (a free
+    port picked first can be taken by another program before the store binds it: many
+    one-task jobs on a SLURM node)."""
     import deepspeed
 
     if is_initialized():
         deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
         return
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-    backend = "nccl" if device == "cuda" else "gloo"
+        os.environ["MASTER_PORT"] = str(free_port())  # for whatever reads it; nothing binds it
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(
+            backend, store=store, rank=0, world_size=1, timeout=timeout
+        )
+        deepspeed.init_distributed()  # wraps the group
+        atexit.register(teardown)
+        return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     atexit.register(teardown)
 
 
