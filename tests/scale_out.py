@@ -25,6 +25,9 @@ COMMANDS = {
     "step=sft zero=stage3",
     "slurm_requeue": "python -m rlhf -m hydra/launcher=slurm hydra.launcher.timeout_min=1 "
     "hydra.launcher.signal_delay_s=1 step=sft step.max_steps=30 debug.step_sleep_s=2",
+    "slurm_preempted": "python -m rlhf -m hydra/launcher=slurm hydra.launcher.partition=low "
+    "hydra.launcher.max_num_timeout=0 step=sft step.max_steps=20 debug.step_sleep_s=1",
+    "sbatch_urgent": "sbatch --partition urgent --exclusive --nodes 1 --wrap 'sleep 2'",
     "slurm_algos": "python -m rlhf -cd sweeps -cn algos hydra/launcher=slurm "
     "algo=dpo dpo.beta=0.1,0.2",
     "slurm_cannot_start": "python -m rlhf -m hydra/launcher=slurm "

@@ -150,6 +150,7 @@ def test_the_defaults_fit_a_cpu_partition():
         assert absent not in script, script
     assert "--ntasks-per-node=1" in script and "--nodes=1" in script
     assert "--signal=USR2@120" in script and "--job-name=rlhf" in script
+    assert "#SBATCH --requeue" in script  # whatever the cluster's JobRequeue
     # gpus_per_node=0 is a CPU partition too, not 0 tasks
     _, zero = _launcher(["hydra.launcher.gpus_per_node=0"])
     assert "--ntasks-per-node=1" in _sbatch_script(zero)
@@ -376,3 +377,29 @@ def test_the_sbatch_template_runs_torchrun_on_every_node(
     assert logs.count("ZeRO-3 on 2 rank(s)") >= 1
     assert train_losses(run_dir) and (run_dir / "model" / "config.json").is_file()
     assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_rank_that_crashes_fails_its_job_without_hanging_the_sweep(
+    slurm_cluster, tmp_path, cache_dir, job_name
+):
+    """Rank 1 raises at step 2; rank 0 may wait for it in a collective for the process group's
+    timeout (30 min), or see gloo's connection close. The sweep reads whichever task's failure
+    comes first, cancels the job and fails it."""
+    sweep_dir = tmp_path / "sweep"
+    crash = ["debug.fail_at_step=2", "debug.fail_rank=1"]
+    proc = _slurm_sweep("slurm_two_tasks", sweep_dir, job_name, cache_dir, extra=crash)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [row] = _rows(sweep_dir)
+    assert row["status"] == "FAILED", row
+    [task1_log] = sweep_dir.glob(".submitit/*/*_1_log.out")
+    assert "injected failure on rank 1" in task1_log.read_text()
+    queue = subprocess.run(
+        ["squeue", "-h", f"--name={job_name}", "-t", "PENDING,RUNNING,COMPLETING"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert queue.stdout.strip() == ""  # rank 0 is not left waiting

@@ -1,19 +1,21 @@
 """hydra/launcher=slurm against a real SLURM (marked ``slurm``; see test_slurm.py): a job that meets
-its time limit checkpoints, requeues itself and resumes to the metrics of an uninterrupted run;
-the jobs of the algos sweep run at once and train their shared SFT model once."""
+its time limit, and a job preempted by a higher-priority partition, checkpoint, requeue and resume
+to the metrics of an uninterrupted run; the jobs of the algos sweep run at once and train their
+shared SFT model once."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
-from tests.scale_out import ONE_THREAD, command, run, slurm_cluster
+from tests.conftest import FAST, REPO, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.scale_out import ONE_THREAD, command, env, run, slurm_cluster
 
 __all__ = ["slurm_cluster"]  # a fixture
 
@@ -53,6 +55,14 @@ class ReleaseRequeued(threading.Thread):
                     self.released += 1
 
 
+def _reference(tmp_path: Path, overrides: list[str]) -> Path:
+    """The uninterrupted run, made first: it also builds DeepSpeed's CPU ops, which a stop
+    request in the middle of their build (SIGTERM) would leave locked for every later run."""
+    run_dir = tmp_path / "reference"
+    run_rlhf(overrides, run_dir, extra_env=ONE_THREAD)
+    return run_dir
+
+
 def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
 
@@ -72,6 +82,7 @@ def test_a_job_at_its_time_limit_requeues_and_resumes_to_the_same_metrics(
     logged row and the summary equal an uninterrupted run's (the same 30 steps, no sleep)."""
     sweep_dir = tmp_path / "sweep"
     small = [*FAST, "step.log_interval=1", "step.eval_interval=10", *cache_overrides(cache_dir)]
+    reference = _reference(tmp_path, ["step=sft", "step.max_steps=30", *small])
     release = ReleaseRequeued(job_name)
     release.start()
     try:
@@ -95,11 +106,63 @@ def test_a_job_at_its_time_limit_requeues_and_resumes_to_the_same_metrics(
     assert log.count("stopped by signal 15 at step") >= 1  # a checkpoint while training
     assert "resumed from" in log
     assert release.released >= 1
-
-    reference = tmp_path / "reference"
-    run_rlhf(["step=sft", "step.max_steps=30", *small], reference, extra_env=ONE_THREAD)
     rows = read_metrics(job_dir)
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 31))
+    assert _comparable(rows) == _comparable(read_metrics(reference))
+    assert _summary(job_dir) == _summary(reference)
+
+
+def _train_rows(sweep_dir: Path) -> int:
+    files = list(sweep_dir.glob("*/metrics.jsonl"))
+    return sum("train/loss" in line for f in files for line in f.read_text().splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_a_preempted_job_requeues_and_resumes_to_the_same_metrics(
+    slurm_cluster, tmp_path, cache_dir, job_name
+):
+    """Partition "urgent" preempts "low" (PreemptMode=REQUEUE, the user signal at preemption, 60
+    s of grace; scripts/slurm/cluster.sh). The preempted job stops at a checkpoint and requeues
+    itself, and max_num_timeout=0 shows it was not taken for a time limit."""
+    sweep_dir = tmp_path / "sweep"
+    small = [*FAST, "step.log_interval=1", "step.eval_interval=10", *cache_overrides(cache_dir)]
+    reference = _reference(tmp_path, ["step=sft", "step.max_steps=20", *small])
+    argv = [
+        *command("slurm_preempted"),
+        *small,
+        "hydra.launcher.poll_s=1",
+        f"hydra.launcher.name={job_name}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    release = ReleaseRequeued(job_name)
+    release.start()
+    with open(tmp_path / "sweep.out", "w") as out:
+        sweep = subprocess.Popen(argv, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while _train_rows(sweep_dir) < 3:  # training, with a checkpoint to come
+            assert sweep.poll() is None and time.monotonic() < deadline, "the job never trained"
+            time.sleep(1)
+        urgent = [*command("sbatch_urgent"), f"--job-name={job_name}", "--output=/dev/null"]
+        subprocess.run(urgent, check=True, capture_output=True, timeout=60)
+        sweep.wait(timeout=500)
+    finally:
+        release.done.set()
+        release.join()
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, (tmp_path / "sweep.out").read_text()[-3000:]
+    [job_dir] = [p for p in sweep_dir.iterdir() if (p / "job.json").is_file()]
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["status"] == "COMPLETED" and record["requeues"] == 1, record
+    slurm_log = Path(record["slurm_log"]).read_text()
+    assert "requeued job" in slurm_log and "at preemption" in slurm_log
+    log = (job_dir / "job.log").read_text()
+    assert "stopped by signal 15 at step" in log and "resumed from" in log
+    rows = read_metrics(job_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 21))
     assert _comparable(rows) == _comparable(read_metrics(reference))
     assert _summary(job_dir) == _summary(reference)
 

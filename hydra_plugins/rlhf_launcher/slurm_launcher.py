@@ -115,7 +115,7 @@ class SlurmLauncher(RlhfLauncher):
 
         def on_end(item: slurm.Submitted, outcome: slurm.Outcome) -> None:
             ends[item.index] = outcome
-            if outcome.returncode is None:  # the job could not record its end itself
+            if not outcome.recorded:  # the job could not record its end itself
                 slurm.failed_record(item.job_dir, outcome)
             why = outcome.note or f"exit status {outcome.returncode}"
             status = "COMPLETED" if outcome.ok else f"FAILED ({why})"

@@ -111,6 +111,8 @@ def sbatch_parameters(conf: dict[str, Any]) -> dict[str, Any]:
     if gpus:
         params["gpus_per_node"] = gpus
     params["time"] = conf.get("timeout_min")  # None: no --time (submitit's own default is 5)
+    # requeueable whatever the cluster's JobRequeue: at the time limit, preemption, node failure
+    params["additional_parameters"] = {"requeue": True, **params.get("additional_parameters", {})}
     if conf.get("mem_gb"):
         params["mem"] = f"{conf['mem_gb']}GB"
     return params
@@ -137,6 +139,7 @@ class SlurmTask:
         env = submitit.JobEnvironment()
         warning = warning_signal()
         stop = StopForwarder(warning)
+        restarts = restart_count()
         try:
             if env.global_rank == 0:
                 record = {
@@ -144,6 +147,7 @@ class SlurmTask:
                     "slurm_job_id": env.job_id,
                     "slurm_log": str(env.paths.stdout),
                     "nodes": env.hostnames,
+                    "requeues": restarts,
                 }
                 result = mechanics.run_job_process(
                     self.cmd,
@@ -151,7 +155,7 @@ class SlurmTask:
                     record,
                     on_start=stop.attach,
                     ignored=(warning,),
-                    append=bool(self.record.get("requeues")),
+                    append=restarts > 0,  # job.log keeps the earlier runs' output
                 )
             else:
                 result = _run_quietly(self.cmd, stop.attach, (warning,))
@@ -183,12 +187,8 @@ class SlurmTask:
             mechanics.write_record(job_dir, {"status": "FAILED", "note": note})
             return {"returncode": result.returncode, "wall_s": result.wall_s, "note": note}
         why = "its time limit" if timed_out else "preemption"
-        requeues = int(self.record.get("requeues", 0)) + 1
-        again = dataclasses.replace(
-            self,
-            record={**self.record, "requeues": requeues},
-            timeouts_left=self.timeouts_left - int(timed_out),
-        )
+        requeues = restart_count() + 1
+        again = dataclasses.replace(self, timeouts_left=self.timeouts_left - int(timed_out))
         pickle = Path(env.paths.submitted_pickle)
         tmp = pickle.with_name(pickle.name + ".tmp")
         again.checkpoint().dump(tmp)
@@ -196,9 +196,20 @@ class SlurmTask:
         mechanics.write_record(
             job_dir, {"status": "REQUEUED", "requeues": requeues, "note": f"requeued at {why}"}
         )
-        subprocess.run(["scontrol", "requeue", env.job_id], check=True, timeout=60)
-        print(f"rlhf: requeued job {env.job_id} at {why}; it resumes from its checkpoint")
+        done = subprocess.run(
+            ["scontrol", "requeue", env.job_id], capture_output=True, text=True, timeout=60
+        )
+        if done.returncode == 0:
+            print(f"rlhf: requeued job {env.job_id} at {why}; it resumes from its checkpoint")
+        else:  # SLURM requeues a preempted job itself, or forbids it: the sweep follows it
+            print(f"rlhf: scontrol requeue {env.job_id}: {done.stderr.strip()}", flush=True)
         raise SystemExit(result.returncode)
+
+
+def restart_count() -> int:
+    """How many times SLURM has requeued this job (by rlhf's requeue, a preemption, a node
+    failure)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def warning_signal() -> int:
@@ -254,21 +265,18 @@ def _run_quietly(
 
 
 def reached_time_limit(job_id: str, signal_delay_s: int) -> bool:
-    """Whether the warning signal was SLURM's time-limit warning (the job's time left is about
-    ``signal_delay_s``; SLURM sends it up to 30 s early) rather than a preemption's. Without an
-    answer from squeue: assume the time limit (it counts against max_num_timeout)."""
-    left = time_left_s(job_id)
-    return left is None or left <= signal_delay_s + 90
-
-
-def time_left_s(job_id: str) -> float | None:
-    try:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=60
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_duration(out)
+    """Whether SLURM's warning came for the time limit (the job has run about its limit less
+    ``signal_delay_s``; SLURM sends it up to 30 s early) rather than for a preemption (which
+    moves the job's end time, not its limit). Without an answer from squeue: the time limit
+    (it counts against max_num_timeout)."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%l|%M"]).strip()
+    limit, _, used = out.partition("|")
+    if out and limit.strip() in ("UNLIMITED", "INFINITE"):
+        return False
+    limit_s, used_s = parse_duration(limit), parse_duration(used)
+    if limit_s is None or used_s is None:
+        return True
+    return limit_s - used_s <= signal_delay_s + 90
 
 
 def parse_duration(text: str) -> float | None:
@@ -294,6 +302,7 @@ class Submitted:
     state: str = "PENDING"
     reason: str = ""
     ended_at: float | None = None  # when squeue first said it ended without a result
+    verdict: Outcome | None = None  # known, the job being cancelled
 
 
 @dataclass
@@ -301,6 +310,7 @@ class Outcome:
     returncode: int | None  # None: the job left no exit status (SLURM's state says why)
     wall_s: float | None
     note: str
+    recorded: bool = False  # job.json says it already (task 0 wrote it)
 
     @property
     def ok(self) -> bool:
@@ -353,18 +363,29 @@ def wait(
     on_end: Callable[[Submitted, Outcome], None],
     poll_s: float,
 ) -> None:
-    """Until every job has ended: ``on_end`` as each ends (from its result file, or SLURM's
-    state when it left none); a job that SLURM can never start is cancelled and ends."""
+    """Until every job has ended: ``on_end`` as each ends, with task 0's result, another task's
+    failure or SLURM's state. A failed job still in SLURM is cancelled (its other ranks would
+    wait for the failed one until a collective times out, a job SLURM can never start would
+    pend forever), and ends once SLURM says it has, so that its record is the sweep's last."""
     running = list(submitted)
     while running:
         states = job_states([s.job.job_id for s in running])
         for item in list(running):
-            outcome = _outcome(item, states.get(item.job.job_id))
-            if outcome is not None:
+            state = states.get(item.job.job_id)
+            if item.verdict is None:
+                item.verdict = _outcome(item, state)
+                if item.verdict is not None and not item.verdict.ok and not _ended(state):
+                    cancel([item])
+            done = item.verdict is not None and (item.verdict.recorded or _ended(state))
+            if done:
                 running.remove(item)
-                on_end(item, outcome)
+                on_end(item, item.verdict)
         if running:
             time.sleep(poll_s)
+
+
+def _ended(state: tuple[str, str] | None) -> bool:
+    return state is None or state[0] in ENDED
 
 
 def cancel(submitted: Sequence[Submitted]) -> None:
@@ -374,17 +395,27 @@ def cancel(submitted: Sequence[Submitted]) -> None:
 
 
 def _outcome(item: Submitted, state: tuple[str, str] | None) -> Outcome | None:
-    """The job's outcome, or None while it runs (logging each change of its state)."""
-    result = _read_result(item.job.paths.result_pickle)
+    """The job's outcome, or None while it runs (logging each change of its state): task 0's
+    result, or the failure of another task (its rank 0 may wait for it until a collective
+    times out), or SLURM's state."""
+    result = _read_result(item.job.task(0).paths.result_pickle)
     if result is not None:
         return result
+    for task in range(1, item.job.num_tasks):
+        other = _read_result(item.job.task(task).paths.result_pickle)
+        if other is not None and not other.ok:
+            where = item.job.task(task).paths.stdout
+            return Outcome(
+                other.returncode,
+                None,
+                f"task {task}: {other.note or f'exit status {other.returncode}'}; see {where}",
+            )
     name, reason = state or ("UNKNOWN", "")
     if (name, reason) != (item.state, item.reason):
         item.state, item.reason = name, reason
         why = f" ({reason})" if reason and reason != "None" else ""
         log.info(f"\t#{item.index} : SLURM job {item.job.job_id} {name}{why}")
     if name == "PENDING" and reason in NEVER_STARTS:
-        cancel([item])
         return Outcome(None, None, f"SLURM cannot start it ({reason}): {NEVER_STARTS[reason]}")
     if name not in ENDED and name != "UNKNOWN":
         item.ended_at = None
@@ -408,8 +439,8 @@ def _read_result(path: Path) -> Outcome | None:
         kind, value = pickle_load(path)
     except Exception:  # being written
         return None
-    if kind == "success":
-        return Outcome(value["returncode"], value["wall_s"], value["note"])
+    if kind == "success":  # the task wrote job.json before its result
+        return Outcome(value["returncode"], value["wall_s"], value["note"], recorded=True)
     lines = [ln for ln in str(value).splitlines() if ln.strip()]
     return Outcome(None, None, lines[-1] if lines else "the task raised an error")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A throwaway SLURM "cluster" on this machine, for tests and for trying hydra/launcher=slurm:
-# munged, slurmctld and two slurmd (nodes n1 and n2, one partition "debug"), every config, pid,
-# log, socket and state file under DIR, and no other file touched. Needs root and Debian's
+# munged, slurmctld and three slurmd: nodes n1 and n2 in the default partition "debug", and n3
+# where the partition "urgent" preempts jobs of "low" (requeued, after the --signal and 60 s of grace).
+# Every config, pid, log, socket and state file is under DIR, and no other file is touched. Needs root and Debian's
 # packages (apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge).
 #
 #   scripts/slurm/cluster.sh start DIR     # prints the line to eval: export SLURM_CONF=DIR/slurm.conf
@@ -16,7 +17,8 @@ usage() { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 [[ $# -eq 2 ]] || usage
 action=$1
 dir=$(realpath -m "$2")
-daemons=(slurmd-n1 slurmd-n2 slurmctld munged)  # stop order
+nodes=(n1 n2 n3)
+daemons=(slurmd-n1 slurmd-n2 slurmd-n3 slurmctld munged)  # stop order
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -50,7 +52,7 @@ start() {
             exit 1
         }
     done
-    mkdir -p "$dir"/{run,log,state/ctld,state/n1,state/n2,munge}
+    mkdir -p "$dir"/{run,log,state/ctld,munge} "${nodes[@]/#/$dir/state/}"
     chmod 700 "$dir/munge"
     mungekey --create --keyfile="$dir/munge/munge.key" --force
     munged --force --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key" \
@@ -90,16 +92,21 @@ JobCompType=jobcomp/none
 MinJobAge=600
 KillWait=10
 InactiveLimit=0
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
 NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus State=UNKNOWN
 NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+NodeName=n3 NodeHostname=$host NodeAddr=127.0.0.1 Port=$(free_port) CPUs=$cpus State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF
+PartitionName=low Nodes=n3 MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=n3 MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
     export SLURM_CONF=$dir/slurm.conf
     slurmctld -f "$SLURM_CONF"
     wait_for 20 slurmctld scontrol ping
-    slurmd -f "$SLURM_CONF" -N n1
-    slurmd -f "$SLURM_CONF" -N n2
-    wait_for 30 "both slurmd" bash -c '[[ $(sinfo -h -N -t idle -o %N | sort -u | wc -l) -eq 2 ]]'
+    for node in "${nodes[@]}"; do slurmd -f "$SLURM_CONF" -N "$node"; done
+    wait_for 30 "every slurmd" bash -c "[[ \$(sinfo -h -N -t idle -o %N | sort -u | wc -l) -eq ${#nodes[@]} ]]"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 
