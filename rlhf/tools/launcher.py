@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -111,11 +110,13 @@ def job_command(
     """``python -m rlhf ARGS hydra.mode=RUN hydra.run.dir=JOB_DIR hydra.sweep.dir=SWEEP_DIR``,
     under torchrun for N > 1. ``hydra.mode=RUN``: a sweep file sets MULTIRUN, which would make
     each job a sweep again. ``hydra.sweep.dir`` (default: the job dir's parent): the job's
-    ${hydra:sweep.dir} is its sweep's, not the sweep file's pattern resolved at the job's start."""
+    ${hydra:sweep.dir} is its sweep's, not the sweep file's pattern resolved at the job's start.
+    ``--standalone``: torchrun's store takes a free port as it binds (a port picked before can
+    be taken by another program first) and the ranks use that store."""
     python = python or sys.executable
     if nproc_per_node > 1:
         head = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
-        head += ["--master_port", str(free_port()), "-m", "rlhf"]
+        head += ["--standalone", "-m", "rlhf"]
     else:
         head = [python, "-m", "rlhf"]
     sweep_dir = sweep_dir or job_dir.parent
@@ -217,12 +218,6 @@ def read_return_value(job_dir: Path) -> Any:
 class JobFailed(CompactHydraException):
     """A sweep job that exited non-zero; raised by Hydra's sweeper after all jobs ran (compact:
     Hydra prints the message, not a traceback)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
