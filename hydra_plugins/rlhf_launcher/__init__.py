@@ -1,1 +1,2 @@
-"""The rlhf sweep launcher, a Hydra plugin: ``hydra/launcher=rlhf`` (see rlhf_launcher.py)."""
+"""rlhf's sweep launchers, Hydra plugins: ``hydra/launcher=rlhf`` (the default; rlhf_launcher.py)
+and ``hydra/launcher=slurm`` (slurm_launcher.py)."""
