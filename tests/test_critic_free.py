@@ -6,6 +6,7 @@ the micro-batch split whatever the loss aggregation."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -23,13 +24,22 @@ from rlhf.rl.experience import (
 )
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.rollouts import HFRollouts
+from rlhf.tuning import TINY_VOCAB_SIZE
 from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
 
 register_configs()
 
-PPO = ["step=ppo", "actor.model.path=/tmp", "critic.model.path=/tmp"]
+
+@pytest.fixture
+def PPO(tmp_path):
+    """step=ppo on exports of the embedded default (their config.json has the shipped tokenizer's
+    vocabulary), so the toy tuning applies as on `python -m rlhf`."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE}))
+    return ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+
+
 BAD = [
     (["ppo.advantage_estimator=ppo"], "ppo.advantage_estimator", "'ppo'", "gae, grpo, rloo"),
     (["ppo.advantage_estimator=grpo"], "ppo.num_samples_per_prompt", "1", ">= 2 with"),
@@ -69,7 +79,7 @@ BAD = [
 @pytest.mark.parametrize(
     ("overrides", "key", "value", "accepted"), BAD, ids=[b[0][-1] for b in BAD]
 )
-def test_bad_estimator_values_are_refused_by_name(overrides, key, value, accepted):
+def test_bad_estimator_values_are_refused_by_name(PPO, overrides, key, value, accepted):
     with pytest.raises(ConfigError) as err:
         validated(compose([*PPO, *overrides]))
     [line] = [ln for ln in str(err.value).splitlines() if ln.strip().startswith(f"{key}=")]
@@ -77,7 +87,7 @@ def test_bad_estimator_values_are_refused_by_name(overrides, key, value, accepte
     assert accepted in line
 
 
-def test_a_group_estimator_with_groups_validates():
+def test_a_group_estimator_with_groups_validates(PPO):
     overrides = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
     config = validated(compose([*PPO, *overrides, "ppo.dynamic_sampling=true"]))
     assert not registry.uses_critic(config.ppo)
@@ -251,7 +261,7 @@ def _update_config(*overrides):
 
 
 def test_a_critic_free_update_has_no_critic_and_adds_the_kl_loss_term():
-    from rlhf.steps import ppo as ppo_recipe
+    from rlhf.steps import ppo_update as ppo_recipe
     from rlhf.steps.loop import NonFiniteGuard
 
     exp = _group_experience("grpo")
@@ -267,7 +277,7 @@ def test_a_critic_free_update_has_no_critic_and_adds_the_kl_loss_term():
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
-    from rlhf.steps import ppo as ppo_recipe
+    from rlhf.steps import ppo_update as ppo_recipe
     from rlhf.steps.loop import NonFiniteGuard
 
     exp = _group_experience("grpo")
@@ -317,7 +327,7 @@ def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
     ],
 )
 def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
-    algo, estimator, critic_free
+    PPO, algo, estimator, critic_free
 ):
     config = validated(compose([f"algo={algo}", *PPO]))
     assert config.ppo.advantage_estimator == estimator
@@ -328,7 +338,7 @@ def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
     assert ppo.per_device_generation_batch_size * ppo.num_samples_per_prompt == 32
 
 
-def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do():
+def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do(PPO):
     grpo, dr, dapo = (
         validated(compose([f"algo={a}", *PPO])).ppo for a in ("grpo", "dr_grpo", "dapo")
     )

@@ -466,7 +466,7 @@ def test_a_huge_log_ratio_gives_a_finite_loss_and_kl():
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_the_entropy_graph_is_built_only_when_it_is_trained(entropy_coef, monkeypatch):
-    from rlhf.steps import ppo as ppo_recipe
+    from rlhf.steps import ppo_update as ppo_recipe
     from rlhf.steps.loop import NonFiniteGuard
 
     actor, critic = Trained(_lm(seed=9)), Trained(_critic(seed=10))

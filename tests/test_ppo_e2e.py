@@ -224,9 +224,9 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
     )
     lines = (tmp_path / "zero3" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines))  # rank 0 logs alone
-    # greedy rollouts with a sampled-token KL estimator are told of the exact one
+    # greedy rollouts with a sampled-token KL estimator are told what holds the policy
     assert (
-        "ppo.kl_estimator=full takes the exact KL"
+        "ppo.kl_estimator=full ppo.kl_in_loss=true holds it"
         in (tmp_path / "zero0" / "__main__.log").read_text()
     )
     zero0, zero3 = _parity_rows(tmp_path / "zero0"), _parity_rows(tmp_path / "zero3")
@@ -244,7 +244,9 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
         f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
         "ppo.reward_function=toy_gold",
         "ppo.normalize_reward=false",
-        "ppo.kl_estimator=full",  # the exact KL through the experience and the evaluator
+        # the exact KL through the experience and the evaluator, and as the loss's KL term
+        "ppo.kl_estimator=full",
+        "ppo.kl_in_loss=true",
         "step.max_steps=4",
         "step.eval_interval=2",
         *cache_overrides(cache_dir),

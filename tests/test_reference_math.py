@@ -408,7 +408,7 @@ def test_a_registered_estimator_needs_no_other_change():
 
 
 def test_critic_warmup_trains_the_critic_and_leaves_the_actor():
-    from rlhf.steps import ppo as ppo_recipe
+    from rlhf.steps import ppo_update as ppo_recipe
     from rlhf.steps.loop import NonFiniteGuard
 
     actor, critic = ppo_tests.Trained(ppo_tests._lm(seed=3)), ppo_tests.Trained(ppo_tests._critic())

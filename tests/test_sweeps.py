@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from rlhf.config import register_configs
 from rlhf.tools import launcher as mechanics
+from rlhf.tuning import TINY_VOCAB_SIZE
 from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
@@ -90,6 +91,8 @@ def test_seeds_sweep_moves_the_tiny_models_initialisation():
 
 def test_kl_epochs_runs_the_pipeline_or_ppo_on_given_exports(tmp_path):
     assert validated(compose_sweep("kl_epochs")).step.name == "all"
+    # an export of the embedded default: its config.json has the shipped tokenizer's vocabulary
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE}))
     c = validated(
         compose_sweep(
             "kl_epochs",
