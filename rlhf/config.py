@@ -248,6 +248,9 @@ class LoraConfig:
     module_filter: str | None = "decoder.layers."  # only modules whose name contains this
     only_optimize_lora: bool = False  # freeze the base weights (else they train too, at optim.lr)
     learning_rate: float | None = None  # LoRA weights' learning rate; null: optim.lr
+    # with only_optimize_lora, PPO's and DPO's reference is the policy itself with its adapters
+    # off (its base weights never change), not a second full copy; true: load the copy anyway
+    reference_copy: bool = False
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -444,7 +447,7 @@ class RoleConfig:
     top-level one (zero.offload, lora.rank, optim.lr, model.dtype ...) unless set for the role
     (conf/config.yaml, rlhf/roles.py); which model it is (path, tokenizer, dropout) is its own.
     Its frozen twin (the reference model for the actor, the reward model for the critic) loads
-    from the same path at the same ZeRO stage."""
+    from twin_path, by default the same path, at the same ZeRO stage."""
 
     # the model (model@actor.model follows the top-level model option); dropout 0: PPO's
     # old log-probs and values come from the same function the update trains
@@ -454,6 +457,15 @@ class RoleConfig:
     optim: RoleOptimConfig = field(default_factory=RoleOptimConfig)  # its optimizer
     hybrid_engine: bool = False  # actor only: DeepSpeed's hybrid engine for generation (GPU)
     offload_twin: bool = False  # keep the frozen twin's parameters on CPU (ZeRO-3 param offload)
+    # the frozen twin's weights, a directory or hub id: the critic's is the reward model (the
+    # critic then starts from model.path: another reward model, or a causal LM that gets a new
+    # value head), the actor's the reference model; null: model.path (DeepSpeed-Chat's choice)
+    twin_path: str | None = None
+
+    @property
+    def frozen_path(self) -> str | None:
+        """Where the frozen twin loads from: twin_path, else model.path."""
+        return self.twin_path if self.twin_path is not None else self.model.path
 
 
 @dataclass

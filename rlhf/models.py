@@ -368,6 +368,35 @@ def apply_lora(lm: torch.nn.Module, lora: LoraConfig, modules_to_save=None) -> t
     return wrapped
 
 
+def reference_is_base(lora: LoraConfig) -> bool:
+    """Whether a LoRA policy serves as its own reference: its base weights never train
+    (only_optimize_lora), so with the adapters off it is the reference exactly."""
+    return lora.rank > 0 and lora.only_optimize_lora and not lora.reference_copy
+
+
+class AdaptersOff:
+    """The reference model of a LoRA policy whose base weights do not train
+    (:func:`reference_is_base`): the policy's own engine run with its adapters disabled (PEFT's
+    ``disable_adapter``), in eval mode and without gradients, instead of a second full copy of
+    the model (TRL's and torchtune's way). Called like the frozen reference it replaces."""
+
+    def __init__(self, engine):
+        self.engine = engine  # a DeepSpeed engine around a PEFT model
+
+    def __call__(self, *args, **kwargs):
+        module = self.engine.module
+        training = module.training
+        module.eval()  # the reference runs without dropout, as a frozen copy does
+        try:
+            with torch.no_grad(), module.disable_adapter():
+                return self.engine(*args, **kwargs)
+        finally:
+            module.train(training)
+
+    def parameters(self):
+        return self.engine.module.parameters()
+
+
 def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
     """Every parameter and buffer, complete and on CPU, on rank 0 (None elsewhere). Under
     ZeRO-3 all ranks must call this: each parameter is gathered in turn."""

@@ -94,6 +94,10 @@ def models_to_check(config: Config) -> list[ModelToCheck]:
         )
         out.append(ModelToCheck("actor.model.path", actor.path, CAUSAL, actor, need))
         out.append(ModelToCheck("critic.model.path", critic.path, VALUE, critic))
+        twins = (config.actor.twin_path, config.critic.twin_path)
+        need = "the actor's reference is a causal LM, the SFT export (RUN/sft/model)"
+        out.append(ModelToCheck("actor.twin_path", twins[0], CAUSAL, actor, need))
+        out.append(ModelToCheck("critic.twin_path", twins[1], VALUE, critic))
     out = [m for m in out if m.path is not None]
     return [m for m in out if os.path.isdir(os.path.expanduser(m.path))]
 
@@ -273,15 +277,15 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
 
     paths = {"model.path": config.model.path, "reward.gold_policy": config.reward.gold_policy}
     if config.step.name == "ppo":
-        paths.update(
-            {f"{r}.model.path": getattr(config, r).model.path for r in ("actor", "critic")}
-        )
+        for role in ("actor", "critic"):
+            paths[f"{role}.model.path"] = getattr(config, role).model.path
+            paths[f"{role}.twin_path"] = getattr(config, role).twin_path
     return [
         (
             key,
             path,
             "an existing directory or a hub id"
-            if key.endswith(".path")
+            if key.endswith("path") and key != "reward.gold_policy"
             else "null or an existing model directory",
         )
         for key, path in paths.items()
@@ -427,15 +431,16 @@ def ppo_model_problems(config: Config) -> list[str]:
     for role in ("actor", "critic") if registry.uses_critic(config.ppo) else ("actor",):
         trained = getattr(config, role)
         out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
-    actor, critic = config.actor.model, config.critic.model
-    local = [m.path and os.path.isdir(os.path.expanduser(m.path)) for m in (actor, critic)]
+    actor, reward = config.actor.model, config.critic.frozen_path
+    local = [p and os.path.isdir(os.path.expanduser(p)) for p in (actor.path, reward)]
     if config.ppo.reward_function is None and all(local):
         from rlhf.models import end_of_text_id, load_tokenizer, read_stats
-        from rlhf.rl.models import end_of_text_problem
+        from rlhf.rl.models import end_of_text_problem, reward_model_setting
 
         tokenizer = load_tokenizer(actor, actor.path)
         eot = end_of_text_id(actor, tokenizer)
-        problem = end_of_text_problem(eot, read_stats(critic.path), critic.path, tokenizer)
+        setting = reward_model_setting(config)
+        problem = end_of_text_problem(eot, read_stats(reward), setting, tokenizer)
         out += [problem] if problem else []
     return out
 
@@ -629,6 +634,8 @@ def _hub_ids(config: Config) -> list[tuple[str, str, str]]:
         ]
     if config.step.name == "reward":
         pairs.append(("reward.gold_policy", config.reward.gold_policy))
+    if config.step.name == "ppo":
+        pairs += [(f"{r}.twin_path", getattr(config, r).twin_path) for r in ("actor", "critic")]
     out = [(key, value, "model") for key, value in pairs if value and not _looks_local(value)]
     for name, source in config.data.sources.items():
         if (

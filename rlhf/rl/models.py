@@ -24,6 +24,7 @@ from rlhf.engine import (
     initialize_frozen,
 )
 from rlhf.models import (
+    AdaptersOff,
     apply_lora,
     attention,
     export_pretrained,
@@ -31,6 +32,7 @@ from rlhf.models import (
     load_tokenizer,
     load_value_model,
     read_stats,
+    reference_is_base,
     scale_value_head,
     tokenizer_fingerprint,
 )
@@ -96,13 +98,18 @@ def build_models(
     if registry.uses_critic(ppo):
         critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
-    reference = initialize_frozen(
-        load_causal_lm(cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, None, actor_attn),
-        cfg.actor.zero.stage,
-        cfg.actor.offload_twin,
-        dtype,
-        shape.micro_batch_size,
-    )
+    if reference_is_base(cfg.actor.lora) and cfg.actor.twin_path is None:
+        reference = AdaptersOff(actor)  # no second copy: the actor's base weights never train
+    else:
+        reference = initialize_frozen(
+            load_causal_lm(
+                cfg.actor.model, cfg.actor.frozen_path, tokenizer, dtype, None, actor_attn
+            ),
+            cfg.actor.zero.stage,
+            cfg.actor.offload_twin,
+            dtype,
+            shape.micro_batch_size,
+        )
     for role, engine in (("actor", actor), ("critic", critic)):
         if engine is not None:
             log.info("%s: %s", role, engine_summary(engine))
@@ -111,7 +118,7 @@ def build_models(
     else:
         reward = initialize_frozen(
             load_value_model(
-                cfg.critic.model, cfg.critic.model.path, tokenizer, dtype, None, critic_attn
+                cfg.critic.model, cfg.critic.frozen_path, tokenizer, dtype, None, critic_attn
             ),
             cfg.critic.zero.stage,
             cfg.critic.offload_twin,
@@ -135,7 +142,7 @@ def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn
         # Returns arrive in normalised reward units. A critic left in the reward model's raw
         # units starts with value errors of several stds, which GAE passes on as advantages.
         # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
-        stats = read_stats(cfg.critic.model.path)
+        stats = read_stats(cfg.critic.frozen_path)  # the reward model's units
         scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
     critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
     refuse_dropout("critic", critic)
@@ -212,35 +219,39 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_d
 def critic_stats(cfg: Config) -> dict | None:
     """The score statistics of the critic export: the reward model's, in the units the critic
     was scaled to (so normalising its scores again gives the same normalised values)."""
-    stats = read_stats(cfg.critic.model.path)
+    stats = read_stats(cfg.critic.frozen_path)
     if stats is None or not cfg.ppo.normalizes_reward:
         return stats
     return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
 
 
 def load_tokenizer_pair(cfg: Config):
-    """The tokenizer all four models share: the actor's; the critic's must be the same, since
-    it scores the actor's tokens."""
+    """The tokenizer all four models share: the actor's; the others' must be the same, since
+    they read the actor's tokens."""
     tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
-    if not registry.reads_critic_path(cfg.ppo):  # no critic and no reward model
-        return tokenizer
-    critic_tokenizer = load_tokenizer(cfg.critic.model, cfg.critic.model.path)
-    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(critic_tokenizer):
-        raise ConfigError(
-            f"critic.model.path={cfg.critic.model.path}: its tokenizer differs from the actor's "
-            f"({cfg.actor.model.path}); PPO scores the actor's tokens with it"
-        )
+    others = {"actor.twin_path": (cfg.actor.model, cfg.actor.twin_path)}
+    if registry.reads_critic_path(cfg.ppo):  # a critic or a reward model
+        others["critic.model.path"] = (cfg.critic.model, cfg.critic.model.path)
+        others["critic.twin_path"] = (cfg.critic.model, cfg.critic.twin_path)
+    for key, (model, path) in others.items():
+        if path is None:
+            continue
+        if tokenizer_fingerprint(load_tokenizer(model, path)) != tokenizer_fingerprint(tokenizer):
+            raise ConfigError(
+                f"{key}={path}: its tokenizer differs from the actor's ({cfg.actor.model.path}); "
+                "PPO's models all read the actor's tokens"
+            )
     return tokenizer
 
 
 def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
     """How the reward model's scores are read: the (mean, std) to normalise them by
     (ppo.normalize_reward) and the score position, from the reward export's statistics."""
-    path = cfg.critic.model.path
+    path = cfg.critic.frozen_path
     stats = read_stats(path) if path is not None else None
     if cfg.ppo.normalizes_reward and stats is None:
         raise ConfigError(
-            f"ppo.normalize_reward=true: {cfg.critic.model.path} has no reward_stats.json "
+            f"ppo.normalize_reward=true: the reward model {path} has no reward_stats.json "
             "(export it with step=reward)"
         )
     normalise = (stats["mean"], stats["std"]) if cfg.ppo.normalizes_reward else None
@@ -252,10 +263,17 @@ def max_new_tokens(cfg: Config) -> int:
     return cfg.ppo.max_new_tokens or cfg.data.max_seq_len - cfg.data.max_prompt_len
 
 
-def end_of_text_problem(eot: int, stats: dict | None, critic_path: str, tokenizer) -> str | None:
+def reward_model_setting(cfg: Config) -> str:
+    """The key and value that name PPO's reward model: critic.twin_path, else critic.model.path."""
+    key = "critic.twin_path" if cfg.critic.twin_path is not None else "critic.model.path"
+    return f"{key}={cfg.critic.frozen_path}"
+
+
+def end_of_text_problem(eot: int, stats: dict | None, setting: str, tokenizer) -> str | None:
     """The reward model must score answers that end the way PPO ends them: the end-of-text
     token its step-2 export recorded (reward_stats.json) must be the actor's ``eot``. None when
-    they agree or the export records none (a causal LM as critic, an older export)."""
+    they agree or the export records none (a causal LM as critic, an older export).
+    ``setting``: the key=value naming the reward model (reward_model_setting)."""
     trained = (stats or {}).get("end_of_text_id")
     if trained is None or trained == eot:
         return None
@@ -264,7 +282,7 @@ def end_of_text_problem(eot: int, stats: dict | None, critic_path: str, tokenize
         return f"{tokenizer.convert_ids_to_tokens(token_id)!r} (id {token_id})"
 
     return (
-        f"critic.model.path={critic_path}: the reward model was trained on answers that end in "
+        f"{setting}: the reward model was trained on answers that end in "
         f"{named(trained)}, but PPO ends the actor's answers with {named(eot)}, so it would be "
         "scored at a token it never saw last; set actor.model.end_of_text_token to the reward "
         "step's model.end_of_text_token (or train the reward model with the actor's)"

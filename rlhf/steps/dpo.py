@@ -30,7 +30,7 @@ from rlhf.evaluation import (
     preference_sums,
     preference_terms,
 )
-from rlhf.models import load_causal_lm
+from rlhf.models import AdaptersOff, load_causal_lm, reference_is_base
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
 from rlhf.steps.setup import (
     batch_plan,
@@ -64,7 +64,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 2. the policy (trained) and the reference (frozen at the same ZeRO stage; none for simpo)
     engine, lm_config = trained_causal_lm(cfg, inputs, shape, steps)
     reference = None
-    if cfg.dpo.loss not in algos.REFERENCE_FREE:
+    if cfg.dpo.loss not in algos.REFERENCE_FREE and reference_is_base(cfg.lora):
+        reference = AdaptersOff(engine)  # no second copy: the base weights never train
+    elif cfg.dpo.loss not in algos.REFERENCE_FREE:
         reference = initialize_frozen(
             load_causal_lm(
                 cfg.model, inputs.path, tokenizer, inputs.dtype, attention=inputs.attention

@@ -46,6 +46,7 @@ from rlhf.rl.models import (
     export_models,
     load_tokenizer_pair,
     max_new_tokens,
+    reward_model_setting,
     reward_settings,
 )
 from rlhf.rl.ptx import PTXBatches
@@ -126,8 +127,8 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     tokenizer = load_tokenizer_pair(cfg)
     eot = end_of_text_id(cfg.actor.model, tokenizer)
     if ppo.reward_function is None:  # the reward model must have learnt to score this ending
-        stats = read_stats(cfg.critic.model.path)
-        if problem := end_of_text_problem(eot, stats, cfg.critic.model.path, tokenizer):
+        stats = read_stats(cfg.critic.frozen_path)
+        if problem := end_of_text_problem(eot, stats, reward_model_setting(cfg), tokenizer):
             raise ConfigError(problem)
     prompts, eval_rows = prompt_rows(cfg, tokenizer, eot)
     plan = EpochPlan(
@@ -301,7 +302,7 @@ def train_models(cfg: Config, tokenizer, dtype: str, iterations: int) -> Models:
         log.info(
             "ppo.advantage_estimator=%s: no critic is built; the critic.* keys are ignored%s",
             ppo.advantage_estimator,
-            " but critic.model.path, which names the reward model"
+            f" but {reward_model_setting(cfg).split('=')[0]}, which names the reward model"
             if registry.reads_critic_path(ppo)
             else "",
         )
@@ -339,7 +340,7 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
         cfg.actor.zero.stage,
         cfg.critic.zero.stage,
         world_size(),
-        f"function {ppo.reward_function}" if ppo.reward_function else cfg.critic.model.path,
+        f"function {ppo.reward_function}" if ppo.reward_function else cfg.critic.frozen_path,
     )
 
 

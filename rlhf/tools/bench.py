@@ -8,7 +8,8 @@ Every measurement is a real ``python -m rlhf`` run (torchrun for several ranks) 
 moves every column alike. Model FLOP/s are compared with the machine's matmul peak, which the
 bench measures itself (best of large fp32 GEMMs). See docs/performance.md.
 ``python -m rlhf.bench rollout`` compares rollouts on vLLM with the transformers path instead
-(rlhf/tools/rollout_bench.py).
+(rlhf/tools/rollout_bench.py); ``python -m rlhf.bench reference`` the peak memory of a LoRA
+policy's reference as a copy and as the adapters off (rlhf/tools/reference_bench.py).
 """
 
 from __future__ import annotations
