@@ -1032,11 +1032,13 @@ def to_config(cfg: DictConfig, *checks: Callable[[Config], list[str]]) -> Config
 
 
 def interpolated_keys(node: DictConfig, prefix: str = "") -> set[str]:
-    """The dotted keys of ``node`` whose value is an interpolation (${...})."""
+    """The dotted keys of ``node`` whose value is an interpolation of another key (${...}; a
+    ${toy_or_real:...} pair is a value of its own)."""
     out = set()
     for key in node:
         if OmegaConf.is_interpolation(node, key):
-            out.add(f"{prefix}{key}")
+            if not str(node._get_node(key)._value()).startswith("${toy_or_real:"):
+                out.add(f"{prefix}{key}")
         elif not OmegaConf.is_missing(node, key) and OmegaConf.is_dict(node[key]):
             out |= interpolated_keys(node[key], f"{prefix}{key}.")
     return out

@@ -21,6 +21,8 @@ import json
 import os
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 # the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
 # real model has so few; tests/test_config_flow.py checks it against a built tiny model
 TINY_VOCAB_SIZE = 1280
@@ -56,3 +58,21 @@ def tiny_model(path: str | None, name: str) -> bool:
         except (OSError, ValueError):
             return False  # no readable config.json: the model checks say so
     return path.startswith(("/", "./", "../", "~")) and name == "tiny"
+
+
+def settle(cfg: DictConfig) -> None:
+    """Replace each ``${toy_or_real:...}`` of a composed config by its value, in place, so the
+    run's record (.hydra/config.yaml) says what ran and reloads without the resolver."""
+    for key in _pairs(cfg):
+        OmegaConf.update(cfg, key, OmegaConf.select(cfg, key), merge=False)
+
+
+def _pairs(node: DictConfig, prefix: str = "") -> list[str]:
+    out = []
+    for key in node:
+        raw = node._get_node(key)._value()
+        if isinstance(raw, str) and "${toy_or_real:" in raw:
+            out.append(f"{prefix}{key}")
+        elif isinstance(node[key], DictConfig) and not OmegaConf.is_interpolation(node, key):
+            out += _pairs(node[key], f"{prefix}{key}.")
+    return out

@@ -231,6 +231,13 @@ def test_a_value_set_anywhere_replaces_the_pair():
     )
 
 
+def test_a_bad_value_at_a_paired_key_is_reported():
+    """A pair is a value of its own: its problems are not left to another key."""
+    paths = ["actor.model.path=facebook/opt-125m", "critic.model.path=facebook/opt-125m"]
+    with pytest.raises(ConfigError, match=r"ppo\.per_device_training_batch_size=4: expected"):
+        validated(composed(["step=ppo", "ppo.grad_accum=5", *paths]))
+
+
 def test_cfg_job_at_step_all_lists_what_each_step_runs_with():
     proc = run_rlhf(["model=opt-1.3b", "data=rm-static", "--cfg", "job"], timeout=120)
     header = [ln for ln in proc.stdout.splitlines() if ln.startswith("#   ")]
@@ -330,6 +337,8 @@ def test_a_sweep_moves_offload_and_lora_rank_in_every_ppo_job(tmp_path, cache_di
         for (offload, rank), job in jobs.items():
             want = (2, "cpu" if offload == "true" else "none", int(rank))
             assert engines(job) == {"actor": want, "critic": want}, job
+            # the run's record holds the values it ran with, not the pairs that chose them
+            assert "toy_or_real" not in (job / ".hydra" / "config.yaml").read_text()
 
 
 def job_dirs(sweep_dir: Path) -> dict[tuple[str, str], Path]:
