@@ -385,9 +385,10 @@ class Tokens:
 
 
 def test_a_reward_model_trained_on_another_end_token_is_refused():
-    assert end_of_text_problem(2, {"end_of_text_id": 2}, "/rm", Tokens()) is None
-    assert end_of_text_problem(2, None, "/rm", Tokens()) is None  # a causal LM as critic
-    problem = end_of_text_problem(7, {"end_of_text_id": 2}, "/rm", Tokens())
+    setting = "critic.model.path=/rm"  # the key and value naming the reward model
+    assert end_of_text_problem(2, {"end_of_text_id": 2}, setting, Tokens()) is None
+    assert end_of_text_problem(2, None, setting, Tokens()) is None  # a causal LM as critic
+    problem = end_of_text_problem(7, {"end_of_text_id": 2}, setting, Tokens())
     assert problem.startswith("critic.model.path=/rm: ")
     assert "'</s>' (id 2)" in problem and "'<|end|>' (id 7)" in problem
 
