@@ -98,33 +98,24 @@ def build_models(
     if registry.uses_critic(ppo):
         critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
+    def frozen_twin(role: RoleConfig, load, attn):
+        """The role's frozen twin from role.frozen_path, at the role's ZeRO stage."""
+        model = load(role.model, role.frozen_path, tokenizer, dtype, None, attn)
+        return initialize_frozen(
+            model, role.zero.stage, role.offload_twin, dtype, shape.micro_batch_size
+        )
+
     if reference_is_base(cfg.actor.lora) and cfg.actor.twin_path is None:
         reference = AdaptersOff(actor)  # no second copy: the actor's base weights never train
     else:
-        reference = initialize_frozen(
-            load_causal_lm(
-                cfg.actor.model, cfg.actor.frozen_path, tokenizer, dtype, None, actor_attn
-            ),
-            cfg.actor.zero.stage,
-            cfg.actor.offload_twin,
-            dtype,
-            shape.micro_batch_size,
-        )
+        reference = frozen_twin(cfg.actor, load_causal_lm, actor_attn)
     for role, engine in (("actor", actor), ("critic", critic)):
         if engine is not None:
             log.info("%s: %s", role, engine_summary(engine))
     if ppo.reward_function is not None:
         reward = RewardFunction(ppo.reward_function, tokenizer)
     else:
-        reward = initialize_frozen(
-            load_value_model(
-                cfg.critic.model, cfg.critic.frozen_path, tokenizer, dtype, None, critic_attn
-            ),
-            cfg.critic.zero.stage,
-            cfg.critic.offload_twin,
-            dtype,
-            shape.micro_batch_size,
-        )
+        reward = frozen_twin(cfg.critic, load_value_model, critic_attn)
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 
