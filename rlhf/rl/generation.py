@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import (
@@ -15,6 +15,8 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -37,6 +39,9 @@ class Sampling:
     # drop each answer from the decoding batch and its KV cache as soon as it ends (our own
     # decoding loop; HF's generate keeps finished rows until the longest answer ends)
     drop_finished: bool = False
+    # token-id sequences that also end an answer (a multi-turn task's turn stops, e.g. the ids
+    # of "</call>"), kept in it as the end-of-text is
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
 
 def rollout_sampling(cfg: Config, max_new_tokens: int) -> Sampling:
@@ -91,7 +96,13 @@ class Rollout(NamedTuple):
     logprobs: (B, R) log p of each response token under the generating weights, from the logits
         the sampling pass computed (None unless asked for).
     ended: (B,) True where the answer holds the end-of-text token; False where it was cut at
-        max_new_tokens (None: not recorded, every answer counts as ended)."""
+        max_new_tokens (None: not recorded, every answer counts as ended).
+    episodes: a multi-turn rollout's per-episode record (rlhf.rl.episodes.EpisodeRecord: the
+        environment's rewards, errors, turns); None for single-turn answers.
+
+    In a multi-turn rollout the response holds the whole episode: the model's turns and the
+    observations between them. attention_mask is 1 on all of it, response_mask (the action
+    mask) only on the model's tokens, and logprobs are 0 at the observations."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
@@ -99,6 +110,7 @@ class Rollout(NamedTuple):
     response_mask: torch.Tensor
     logprobs: torch.Tensor | None = None
     ended: torch.Tensor | None = None
+    episodes: Any = None
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -126,6 +138,26 @@ class SampledLogprobs(LogitsProcessor):
         """(B, R) log-probs of the R generated columns of ``sequences``."""
         self._take(sequences[:, -1])
         return torch.cat(self.columns, dim=1)
+
+
+def ends_with_stop(ids: torch.Tensor, stops: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """(B,) True where the (B, T) ``ids`` end with one of the token-id sequences ``stops``."""
+    hit = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for stop in stops:
+        if len(stop) <= ids.shape[1]:
+            tail = torch.tensor(stop, dtype=ids.dtype, device=ids.device)
+            hit |= (ids[:, -len(stop) :] == tail).all(dim=1)
+    return hit
+
+
+class StopSequences(StoppingCriteria):
+    """HF generate's per-row stop at a turn stop (a finished row is padded from there on)."""
+
+    def __init__(self, stops: tuple[tuple[int, ...], ...]):
+        self.stops = stops
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return ends_with_stop(input_ids, self.stops)
 
 
 def response_mask(response_ids: torch.Tensor, end_id: int) -> torch.Tensor:
@@ -202,6 +234,9 @@ def generate(
                 attention_mask=prompt_mask.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                stopping_criteria=StoppingCriteriaList(
+                    [StopSequences(sampling.stop_sequences)] if sampling.stop_sequences else []
+                ),
                 synced_gpus=synced_gpus,
             )
         logprobs = recorder.finish(sequences) if recorder else None
@@ -289,6 +324,8 @@ def decode_dropping_finished(
             logprobs[rows, step] = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         steps = step + 1
         running = tokens != end_id
+        if sampling.stop_sequences:
+            running &= ~ends_with_stop(answers[rows, :steps], sampling.stop_sequences)
         if steps == max_new or not running.any():
             break
         if not running.all():
@@ -308,8 +345,10 @@ def decode_dropping_finished(
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:
+    """Each answer's text after its prompt: a multi-turn episode's whole transcript, the
+    observations between the model's turns included (the attention mask's real tokens)."""
     responses = rollout.sequences[:, rollout.prompt_width :]
+    real = rollout.attention_mask[:, rollout.prompt_width :].bool()
     return [
-        tokenizer.decode(ids[mask], skip_special_tokens=True)
-        for ids, mask in zip(responses, rollout.response_mask)
+        tokenizer.decode(ids[mask], skip_special_tokens=True) for ids, mask in zip(responses, real)
     ]

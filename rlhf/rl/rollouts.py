@@ -84,6 +84,41 @@ class HFRollouts:
         pass
 
 
+class ModuleRollouts:
+    """A model's own module decoding greedily or not, in whatever mode its caller set (SFT's
+    held-out episodes): the decoder interface of :class:`HFRollouts` without the engine's
+    mode switches."""
+
+    def __init__(self, module: torch.nn.Module, pad_id: int, end_id: int, synced: bool):
+        self.module, self.pad_id, self.end_id, self.synced = module, pad_id, end_id, synced
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seed: int | None = None,
+        group_size: int = 1,
+        logprobs_temperature: float | None = None,
+    ) -> Rollout:
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        with seeded(seed, next(self.module.parameters()).device):
+            return generate(
+                self.module,
+                rows,
+                self.pad_id,
+                self.end_id,
+                sampling,
+                self.synced,
+                logprobs_temperature,
+            )
+
+    def sync(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 class VLLMPath:
     """A colocated vLLM engine: every request seeded (from the batch's seed, or the run's), its
     answers' log-probs those of the distribution drawn from (the sampler's, always returned)."""

@@ -224,7 +224,11 @@ def request_settings(sampling: Sampling, end_id: int, n: int, seed: int | None) 
         "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "top_p": 1.0 if sampling.greedy else sampling.top_p,
         "top_k": 0 if sampling.greedy else sampling.top_k,
-        "stop_token_ids": [end_id] if sampling.stop_at_eos else None,
+        # a turn stop of one token stops here too; a longer one is cut where it ends by the
+        # episode loop (rlhf.rl.episodes), which cuts both engines' turns the same way
+        "stop_token_ids": ([end_id] if sampling.stop_at_eos else [])
+        + [stop[0] for stop in sampling.stop_sequences if len(stop) == 1]
+        or None,
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own
         "seed": seed,

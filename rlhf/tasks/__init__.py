@@ -13,20 +13,29 @@ returns one)::
     data.sources.local.task=my_pkg.tasks:MATH                                 # a file's rows, its checker
 
 and every run on that data reports ``eval/gold_accuracy`` and its halves.
+
+A task that also has ``step`` is an environment: PPO's episodes then take several turns, the
+model's turns ending at end-of-text or at one of the task's ``turn_stops`` (a tool call's
+closing tag), each answered by ``step`` with an observation the framework appends as token ids
+(:class:`Episode`, :class:`Step`; docs/environments.md).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
 # name -> "module:attribute" of the built-in tasks (imported when first asked for)
-BUILTIN = {"toy": "rlhf.tasks.toy:TASK", "toy_facts": "rlhf.tasks.toy:FACTS"}
+BUILTIN = {
+    "toy": "rlhf.tasks.toy:TASK",
+    "toy_facts": "rlhf.tasks.toy:FACTS",
+    "toy_tools": "rlhf.tasks.toy_tools:TASK",
+}
 ACCEPTED = f"one of {', '.join(BUILTIN)} or package.module:attribute (an object with rows/grade)"
 
 
@@ -61,6 +70,56 @@ class Task(Protocol):
     def grade(self, prompt: str, response: str) -> Grade:
         """The verdict on ``response`` to ``prompt``; never raises."""
         ...
+
+
+@dataclass
+class Episode:
+    """An episode so far, as an environment's ``step`` sees it: the prompt's text, the model's
+    earlier turns and the observations that answered them (as appended, after truncation), and
+    whatever ``reset(prompt)`` returned (None without a ``reset``)."""
+
+    prompt: str
+    turns: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    state: Any = None
+
+    @property
+    def transcript(self) -> str:
+        """The episode's text after the prompt: turns and observations in order."""
+        parts = []
+        for i, turn in enumerate(self.turns):
+            parts.append(turn)
+            if i < len(self.observations):
+                parts.append(self.observations[i])
+        return "".join(parts)
+
+
+@dataclass(frozen=True)
+class Step:
+    """An environment's answer to one model turn. ``observation``: text appended before the
+    model's next turn ("" for none); ``reward``: added to the episode's score (None: nothing);
+    ``done``: the episode ends here; ``metrics``: numbers summed over the episode and reported
+    as their mean an episode (``rollout/<name>``, ``eval/<name>``: tool_calls, tool_errors)."""
+
+    observation: str = ""
+    reward: float | None = None
+    done: bool = False
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+def is_environment(task: Task) -> bool:
+    """Whether ``task`` runs multi-turn episodes (it has a callable ``step``)."""
+    return callable(getattr(task, "step", None))
+
+
+def turn_stops(task: Task) -> tuple[str, ...]:
+    """The strings that end a model turn besides end-of-text (e.g. ``</call>``); () for none."""
+    stops = getattr(task, "turn_stops", ()) or ()
+    if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+        raise TaskError(
+            f"{task.name}.turn_stops must be a sequence of non-empty strings, got {stops!r}"
+        )
+    return tuple(stops)
 
 
 class TaskError(ValueError):
@@ -100,9 +159,10 @@ def reward_owners(name: str) -> list[str]:
     return [task for task in BUILTIN if name in rewards(resolve(task))]
 
 
-def builtin_reward(name: str) -> tuple[Task, ScoreFn] | None:
-    """The built-in task offering reward ``name`` (e.g. ``toy_gold``), or None."""
-    for task_name in BUILTIN:
+def builtin_reward(name: str, prefer: Sequence[str] = ()) -> tuple[Task, ScoreFn] | None:
+    """The built-in task offering reward ``name`` (e.g. ``toy_gold``), or None; among several,
+    the first of ``prefer`` (the tasks of the PPO prompts: toy_gold checks each task's own)."""
+    for task_name in [*(t for t in prefer if t in BUILTIN), *BUILTIN]:
         task = resolve(task_name)
         if name in rewards(task):
             return task, rewards(task)[name]
@@ -120,10 +180,11 @@ def corpus(task: Task, num_texts: int, seed: int) -> list[str]:
 REWARD_ACCEPTED = "a task's reward (toy_gold) or package.module:function, a callable (prompts, responses) -> floats"
 
 
-def resolve_reward(name: str) -> ScoreFn:
-    """The rule-based reward a ``ppo.reward_function`` value names: a built-in task's (``toy_gold``)
-    or ``package.module:function``; ValueError saying why not."""
-    builtin = builtin_reward(name)
+def resolve_reward(name: str, prefer: Sequence[str] = ()) -> ScoreFn:
+    """The rule-based reward a ``ppo.reward_function`` value names: a built-in task's (``toy_gold``;
+    ``prefer``'s task's where it offers one) or ``package.module:function``; ValueError saying why
+    not."""
+    builtin = builtin_reward(name, prefer)
     if builtin is not None:
         return builtin[1]
     module_name, _, attribute = name.partition(":")

@@ -1,0 +1,340 @@
+"""Multi-turn episodes on a task with an environment (a ``step``, docs/environments.md).
+
+The framework owns the loop, on either decoder (rlhf.rl.rollouts: hf or vLLM): every live
+episode of a batch generates its next turn in one call, ending at end-of-text, at one of the
+task's turn stops or at its token bound; the environment answers each turn; its observation's
+token ids are appended after the turn's and the next turn is generated from the ids so far.
+Nothing is re-tokenised: the ids trained on are the ids sampled and the observations' ids.
+
+The result is an ordinary :class:`Rollout` whose response is the whole episode: the attention
+mask covers it, the response (action) mask only the model's tokens, so every loss, KL,
+whitening moment and metric leaves the observations out and the estimators pass through them
+(rlhf.algos: the outcome reward at the last model token reaches every earlier turn, GAE
+bootstraps across an observation to the next model token).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import torch
+
+from rlhf import tasks
+from rlhf.config import ConfigError, MultiTurnConfig
+from rlhf.data.collate import left_pad
+from rlhf.dist import all_reduce_sum, gather_lists, max_over_ranks
+from rlhf.rl.generation import Rollout, Sampling
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeRecord(NamedTuple):
+    """Per episode of a multi-turn rollout, (B,) each: ``env_reward`` the environment's rewards
+    summed; ``env_error`` True where ``step`` raised (the episode ended there, its score is 0);
+    ``turns`` the model's turns; ``obs_truncated`` observations cut to the token bound;
+    ``metrics`` the environment's Step.metrics summed over the episode, by name."""
+
+    env_reward: torch.Tensor
+    env_error: torch.Tensor
+    turns: torch.Tensor
+    obs_truncated: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def episode_scores(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """(B,) a rollout's scores with its environment's rewards added and 0 where ``step``
+    raised; single-turn rollouts' unchanged."""
+    record = rollout.episodes
+    if record is None:
+        return scores
+    scores = scores + record.env_reward.to(scores)
+    return torch.where(record.env_error.to(scores.device), torch.zeros_like(scores), scores)
+
+
+@dataclass
+class _Episode:
+    """One episode being played: its prompt ids, the ids after them (turns and observations),
+    which of those the model generated, their sampler log-probs, and what happened."""
+
+    prompt_ids: list[int]
+    view: tasks.Episode
+    ids: list[int] = field(default_factory=list)
+    from_model: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    live: bool = True
+    ended: bool = False  # the model ended it (end-of-text) or the environment said done
+    env_reward: float = 0.0
+    env_error: bool = False
+    turns: int = 0
+    obs_truncated: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def append(self, ids: Sequence[int], from_model: bool, logprobs: Sequence[float]) -> None:
+        self.ids += ids
+        self.from_model += [from_model] * len(ids)
+        self.logprobs += logprobs
+
+    def finish(self, ended: bool) -> None:
+        self.live, self.ended = False, ended
+
+
+def turn_length(ids: list[int], end_id: int, stops: tuple[tuple[int, ...], ...]) -> int:
+    """How many of a turn's generated ``ids`` are the turn: up to and with the first end-of-text
+    or the first completed turn stop; all of them when neither occurs."""
+    for n, token in enumerate(ids, start=1):
+        if token == end_id or any(
+            n >= len(stop) and tuple(ids[n - len(stop) : n]) == stop for stop in stops
+        ):
+            return n
+    return len(ids)
+
+
+class EpisodeRollouts:
+    """A decoder (HFRollouts or VLLMPath) playing whole episodes against ``env``, with the
+    decoder's ``generate`` / ``sync`` / ``close``. ``budget``: the tokens an episode may take
+    after its prompt (turns and observations: max_new_tokens); ``synced``: every rank's
+    generate is a collective (ZeRO-3 on several ranks), so a rank whose episodes have all
+    ended keeps generating until every rank's have."""
+
+    def __init__(
+        self,
+        decoder,
+        env: tasks.Task,
+        tokenizer,
+        bounds: MultiTurnConfig,
+        budget: int,
+        end_id: int,
+        synced: bool,
+    ):
+        self.decoder, self.env, self.tokenizer, self.bounds = decoder, env, tokenizer, bounds
+        self.budget, self.end_id, self.synced = budget, end_id, synced
+        self.stops = tuple(
+            tuple(tokenizer.encode(stop, add_special_tokens=False))
+            for stop in tasks.turn_stops(env)
+        )
+        self.pad_id = tokenizer.pad_token_id
+
+    def sync(self):
+        return self.decoder.sync()
+
+    def close(self) -> None:
+        self.decoder.close()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seed: int | None = None,
+        group_size: int = 1,
+        logprobs_temperature: float | None = None,
+    ) -> Rollout:
+        """``group_size`` episodes from each prompt, in contiguous rows, as one Rollout (see
+        the module's docstring); ``seed`` seeds each turn's generation (turn t: its own seed)."""
+        episodes = [self._start(list(p)) for p in prompts for _ in range(group_size)]
+        turn = 0
+        while self._any_live(episodes):
+            live = [e for e in episodes if e.live]
+            turn_seed = None if seed is None else seed + 104_729 * turn
+            if live:
+                self._play_turn(live, sampling, turn, turn_seed, logprobs_temperature)
+            else:  # keep this rank's part in the other ranks' collective generate
+                self.decoder.generate([episodes[0].prompt_ids], replace(sampling, max_new_tokens=1))
+            turn += 1
+        return self._rollout(episodes, sampling, logprobs_temperature is not None)
+
+    def _start(self, prompt_ids: list[int]) -> _Episode:
+        view = tasks.Episode(self.tokenizer.decode(prompt_ids, skip_special_tokens=True))
+        reset = getattr(self.env, "reset", None)
+        if callable(reset):
+            view.state = reset(view.prompt)
+        return _Episode(prompt_ids, view)
+
+    def _any_live(self, episodes: list[_Episode]) -> bool:
+        live = any(e.live for e in episodes)
+        return max_over_ranks(float(live)) > 0 if self.synced else live
+
+    def _play_turn(
+        self,
+        live: list[_Episode],
+        sampling: Sampling,
+        turn: int,
+        seed: int | None,
+        logprobs_temperature: float | None,
+    ) -> None:
+        """Generate every live episode's next turn in one call and let the environment answer."""
+        bounds = [self._turn_bound(e) for e in live]
+        turn_sampling = replace(
+            sampling,
+            max_new_tokens=max(bounds),
+            stop_sequences=self.stops,
+            # later turns' contexts differ in length anyway: no point padding them wider
+            prompt_width=sampling.prompt_width if turn == 0 else None,
+        )
+        contexts = [e.prompt_ids + e.ids for e in live]
+        out = self.decoder.generate(contexts, turn_sampling, seed, 1, logprobs_temperature)
+        generated = out.sequences[:, out.prompt_width :].tolist()
+        for row, (episode, bound) in enumerate(zip(live, bounds, strict=True)):
+            ids = generated[row][:bound]
+            length = turn_length(ids, self.end_id, self.stops)
+            ids = ids[:length]
+            logprobs = out.logprobs[row, :length].tolist() if out.logprobs is not None else []
+            episode.append(ids, True, logprobs)
+            episode.turns += 1
+            self._answer(episode, ids)
+
+    def _turn_bound(self, episode: _Episode) -> int:
+        left = self.budget - len(episode.ids)
+        cap = self.bounds.max_turn_tokens
+        return min(left, cap) if cap is not None else left
+
+    def _answer(self, episode: _Episode, ids: list[int]) -> None:
+        """The environment's answer to the turn just generated: its reward and metrics kept,
+        its observation appended unless the episode ends here."""
+        by_model = bool(ids) and ids[-1] == self.end_id
+        stopped = bool(ids) and any(tuple(ids[-len(s) :]) == s for s in self.stops)
+        if not (by_model or stopped):  # cut at its token bound: no complete turn to answer
+            episode.finish(ended=False)
+            return
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        try:
+            result = self.env.step(episode.view, text)
+        except Exception as err:  # a user's environment may fail in any way
+            log.warning(
+                "environment %s: step raised %s: %s (episode ended, reward 0)",
+                self.env.name,
+                type(err).__name__,
+                err,
+            )
+            episode.view.turns.append(text)
+            episode.env_error = True
+            episode.finish(ended=True)
+            return
+        if not isinstance(result, tasks.Step):
+            raise ConfigError(
+                f"environment {self.env.name}: step returned {type(result).__name__}; it must "
+                "return rlhf.tasks.Step(observation: str, reward: float | None, done: bool)"
+            )
+        episode.view.turns.append(text)
+        episode.env_reward += float(result.reward or 0.0)
+        for name, value in result.metrics.items():
+            episode.metrics[name] = episode.metrics.get(name, 0.0) + float(value)
+        if by_model or result.done:
+            episode.finish(ended=True)
+        elif episode.turns >= self.bounds.max_turns:
+            episode.finish(ended=False)  # a turn stop with no turn left to answer it
+        else:
+            self._observe(episode, result.observation)
+
+    def _observe(self, episode: _Episode, observation: str) -> None:
+        """Append an observation's ids, cut to the observation bound and to what leaves the
+        episode one more model token; an episode with no room left ends, cut."""
+        ids = self.tokenizer.encode(observation, add_special_tokens=False)
+        room = min(self.bounds.max_observation_tokens, self.budget - len(episode.ids) - 1)
+        if len(ids) > room:
+            episode.obs_truncated += 1
+            ids = ids[: max(room, 0)]
+        episode.view.observations.append(self.tokenizer.decode(ids))
+        episode.append(ids, False, [0.0] * len(ids))
+        if len(episode.ids) >= self.budget:
+            episode.finish(ended=False)
+
+    def _rollout(
+        self, episodes: list[_Episode], sampling: Sampling, with_logprobs: bool
+    ) -> Rollout:
+        """The episodes in the Rollout layout: left-padded prompts, then each episode's ids
+        padded on the right."""
+        prompt_ids, prompt_mask = left_pad(
+            [e.prompt_ids for e in episodes], self.pad_id, sampling.prompt_width
+        )
+        width = max(1, max(len(e.ids) for e in episodes))
+        response = torch.full((len(episodes), width), self.pad_id, dtype=torch.long)
+        real = torch.zeros((len(episodes), width), dtype=torch.bool)
+        action = torch.zeros((len(episodes), width), dtype=torch.bool)
+        logprobs = torch.zeros((len(episodes), width))
+        for row, e in enumerate(episodes):
+            n = len(e.ids)
+            response[row, :n] = torch.tensor(e.ids, dtype=torch.long)
+            real[row, :n] = True
+            action[row, :n] = torch.tensor(e.from_model, dtype=torch.bool)
+            if with_logprobs:
+                logprobs[row, :n] = torch.tensor(e.logprobs)
+        names = sorted({name for e in episodes for name in e.metrics})
+        record = EpisodeRecord(
+            env_reward=torch.tensor([e.env_reward for e in episodes]),
+            env_error=torch.tensor([e.env_error for e in episodes]),
+            turns=torch.tensor([e.turns for e in episodes]),
+            obs_truncated=torch.tensor([e.obs_truncated for e in episodes]),
+            metrics={
+                name: torch.tensor([e.metrics.get(name, 0.0) for e in episodes]) for name in names
+            },
+        )
+        return Rollout(
+            sequences=torch.cat([prompt_ids, response], dim=1),
+            attention_mask=torch.cat([prompt_mask, real.long()], dim=1),
+            prompt_width=prompt_ids.shape[1],
+            response_mask=action,
+            logprobs=logprobs if with_logprobs else None,
+            ended=torch.tensor([e.ended for e in episodes]),
+            episodes=record,
+        )
+
+
+@dataclass
+class EpisodeTally:
+    """Sums of the episodes' records over rollouts, reported as means an episode over all ranks
+    (``{prefix}/env_errors``, ``/turns``, ``/obs_truncated``, ``/env_reward`` and each of the
+    environment's metrics). Every rank must call :meth:`metrics` (a collective) with the same
+    metric names: an environment reports the same names at every step."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    episodes: int = 0
+
+    def add(self, rollout: Rollout, valid: Sequence[bool] | None = None) -> None:
+        record = rollout.episodes
+        if record is None:
+            return
+        keep = torch.tensor(valid if valid is not None else [True] * len(record.turns))
+        columns = {
+            "env_errors": record.env_error.double(),
+            "turns": record.turns.double(),
+            "obs_truncated": record.obs_truncated.double(),
+            "env_reward": record.env_reward.double(),
+            **{name: values.double() for name, values in record.metrics.items()},
+        }
+        for name, values in columns.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(values[keep].sum())
+        self.episodes += int(keep.sum())
+
+    def metrics(self, prefix: str, suffix: str = "") -> dict[str, float]:
+        """The means an episode since the last call (then reset)."""
+        names = sorted(set(gather_lists(sorted(self.sums))))  # the same names on every rank
+        totals = all_reduce_sum(float(self.episodes), *(self.sums.get(n, 0.0) for n in names))
+        count, values = max(totals[0], 1.0), totals[1:]
+        self.sums, self.episodes = {}, 0
+        return {f"{prefix}/{name}{suffix}": value / count for name, value in zip(names, values)}
+
+
+def episode_environment(rows_by_split: Sequence, column: str) -> tasks.Task | None:
+    """The environment the PPO prompts' task provides, or None when it is single-turn. A
+    multi-turn run takes its prompts from one environment task: a mix of tasks where one is an
+    environment is refused by name."""
+    names = sorted({name for rows in rows_by_split for name in _task_names(rows, column)})
+    envs = [name for name in names if tasks.is_environment(tasks.resolve(name))]
+    if not envs:
+        return None
+    if len(names) > 1:
+        raise ConfigError(
+            f"the PPO prompts come from tasks {', '.join(names)}, of which {', '.join(envs)} "
+            "runs multi-turn episodes; take a multi-turn run's prompts from that task alone "
+            "(ppo.prompt_sources)"
+        )
+    return tasks.resolve(envs[0])
+
+
+def _task_names(rows, column: str) -> set[str]:
+    if column not in rows.column_names:
+        return set()
+    return {name for name in rows.unique(column) if name}
