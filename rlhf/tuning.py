@@ -8,7 +8,7 @@ line, an experiment, a sweep) replaces the pair as any value does.
 
 The embedded default is the embedded model, or one trained from it, on the toy tasks' data:
 
-- data: every source is a toy task (``data=toy``, ``data=toy_facts``);
+- data: every source is a toy task (``data=toy``, ``data=toy_facts``, ``data=toy_tools``);
 - model (``actor.model`` at step=ppo): built from ``model.init`` (path null), or a directory
   whose config.json has the embedded model's vocabulary (the shipped tokenizer's: an SFT or
   reward export of it), or a local directory not written yet whose model option is ``tiny``
@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 # the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
 # real model has so few; tests/test_config_flow.py checks it against a built tiny model
 TINY_VOCAB_SIZE = 1280
-EMBEDDED_TASKS = ("toy", "toy_facts")
+EMBEDDED_TASKS = ("toy", "toy_facts", "toy_tools")
 
 
 def toy_or_real(toy: Any, real: Any, *, _root_: Any) -> Any:
