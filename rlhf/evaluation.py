@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,9 +26,11 @@ from rlhf.data.sampling import eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
+from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
 from rlhf.rl.models import Models, max_new_tokens
+from rlhf.rl.rollouts import ModuleRollouts
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,15 @@ def checkable_rows(eval_rows, limit: int) -> list[dict]:
 def grade(row: dict, answer: str) -> tasks.Grade:
     """The verdict of the row's task on ``answer``."""
     return tasks.resolve(row["task"]).grade(row["prompt"], answer)
+
+
+def row_environment(rows: list[dict]) -> tasks.Task | None:
+    """The environment of checkable rows that all come from one multi-turn task, else None."""
+    names = {row["task"] for row in rows}
+    if len(names) != 1:
+        return None
+    task = tasks.resolve(names.pop())
+    return task if tasks.is_environment(task) else None
 
 
 def gold_sums(grades: list[tasks.Grade]) -> list[float]:
@@ -119,21 +131,26 @@ class SFTEvaluator:
         return {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
 
     def gold(self, engine) -> dict[str, float]:
-        grades = []
+        """Greedy answers graded; on an environment's task, whole episodes (eval/turns,
+        eval/tool_calls ... beside the gold metrics)."""
+        synced = self.cfg.zero.stage == 3 and world_size() > 1
+        decoder = ModuleRollouts(engine.module, self.tokenizer.pad_token_id, self.eot, synced)
+        env = row_environment(self.gold_rows)
+        if env is not None:
+            bounds, budget = self.cfg.ppo.multi_turn, self.sampling.max_new_tokens
+            decoder = EpisodeRollouts(
+                decoder, env, self.tokenizer, bounds, budget, self.eot, synced
+            )
+        grades, episodes = [], EpisodeTally()
         for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
             rows = [self.gold_rows[i] for i in indices]
-            rollout = generate(
-                engine.module,
-                [r["prompt_ids"] for r in rows],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                self.sampling,
-                synced_gpus=self.cfg.zero.stage == 3 and world_size() > 1,
-            )
+            rollout = decoder.generate([r["prompt_ids"] for r in rows], self.sampling)
             answers = decode_responses(self.tokenizer, rollout)
             grades += [grade(row, a) for row, a, ok in zip(rows, answers, valid) if ok]
+            episodes.add(rollout, valid)
             self.samples = [[r["prompt"], a] for r, a in zip(rows[:4], answers[:4])]
-        return gold_metrics(gold_sums(grades))
+        metrics = gold_metrics(gold_sums(grades))
+        return {**metrics, **(episodes.metrics("eval") if env is not None else {})}
 
 
 class PairEvaluator:
@@ -270,6 +287,7 @@ class PPOEvaluator:
         count = min(ppo.eval_prompts, len(eval_rows))
         self.rows = gold or rows_at(eval_rows, list(range(count)))
         self.checkable = bool(gold)
+        self.multi_turn = isinstance(rollouts, EpisodeRollouts)
         self.greedy = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.eval_greedy)
         # the rollouts' own decoding, so that eval/kl measures what ppo/kl measures
         self.sampled = eval_sampling(cfg, max_new_tokens(cfg), greedy=ppo.greedy)
@@ -290,6 +308,9 @@ class PPOEvaluator:
         metrics.update(
             {"eval/reward_sampled": _mean(sampled["reward"]), "eval/kl": _mean(sampled["kl"])}
         )
+        if self.multi_turn:  # turns, tool calls and errors, the environment's metrics
+            metrics.update(greedy["episodes"].metrics("eval"))
+            metrics.update(sampled["episodes"].metrics("eval", "_sampled"))
         if self.checkable:
             metrics.update(gold_metrics(gold_sums(greedy["grade"])))
             metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
@@ -301,7 +322,8 @@ class PPOEvaluator:
 
     def _answers(self, models: Models, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
         """This rank's answers to its shard of ``rows``: reward, KL, length and grade of each."""
-        out: dict[str, list] = {"reward": [], "kl": [], "length": [], "grade": []}
+        out: dict[str, Any] = {"reward": [], "kl": [], "length": [], "grade": []}
+        out["episodes"] = EpisodeTally()
         shards = eval_shards(len(rows), 64, world_size(), rank())
         for batch_index, (indices, valid) in enumerate(shards):
             batch = [rows[i] for i in indices]
@@ -312,7 +334,8 @@ class PPOEvaluator:
             reward, kl = self._score(models, rollout, sampling)
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
-            lengths = rollout.response_mask.sum(1).tolist()
+            lengths = rollout.response_mask.sum(1).tolist()  # the model's tokens
+            out["episodes"].add(rollout, valid)
             for i in (i for i, ok in enumerate(valid) if ok):
                 out["reward"].append(reward[i].item())
                 out["kl"].append(kl[i].item())
@@ -363,6 +386,7 @@ class PPOEvaluator:
         )
         if self.reward_stats is not None:
             scores = (scores - self.reward_stats[0]) / max(self.reward_stats[1], 1e-6)
+        scores = episode_scores(scores, rollout)
         return scores.double().cpu(), kl.double().cpu()
 
     def _watch(self, metrics: dict[str, float]) -> None:
@@ -510,6 +534,9 @@ class DPOEvaluator:
         metrics["eval/response_length"] = _mean(greedy["length"])
         if reference is not None:
             metrics["eval/kl"] = _mean(sampled["kl"])
+        if self.multi_turn:  # turns, tool calls and errors, the environment's metrics
+            metrics.update(greedy["episodes"].metrics("eval"))
+            metrics.update(sampled["episodes"].metrics("eval", "_sampled"))
         if self.checkable:
             metrics.update(gold_metrics(gold_sums(greedy["grade"])))
             metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
@@ -548,7 +575,8 @@ class DPOEvaluator:
             )
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
-            lengths = rollout.response_mask.sum(1).tolist()
+            lengths = rollout.response_mask.sum(1).tolist()  # the model's tokens
+            out["episodes"].add(rollout, valid)
             with_kl = reference is not None and sampling is self.sampled
             kl = self._kl(engine, reference, rollout, sampling) if with_kl else None
             for i in (i for i, ok in enumerate(valid) if ok):

@@ -21,6 +21,7 @@ from rlhf.dist import all_reduce_sum, max_over_ranks
 from rlhf.engine import model_device
 from rlhf.registry import ESTIMATORS, AdvantageInputs, rollout_correction
 from rlhf.rl.advantages import Shaping, outcome_rewards
+from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.generation import Rollout, Sampling
 from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
@@ -271,9 +272,7 @@ def _score(
         old_values = torch.zeros_like(old_logprobs, dtype=torch.float32)
     scores = normalised_scores(reward_model, sequences, attention_mask, rollout, shaping, packing)
 
-    outcomes = outcome_rewards(
-        scores, short, unterminated, rollout.response_mask.to(device), shaping
-    )
+    outcomes = outcome_rewards(scores, short, unterminated, episode_tokens(rollout), shaping)
     rewards, kl = algos.compute_rewards(
         outcomes,
         old_logprobs.float(),
@@ -304,11 +303,19 @@ def _score(
     )
 
 
+def episode_tokens(rollout: Rollout) -> torch.Tensor:
+    """(B, R) every token of each answer, a multi-turn episode's observations too: what the
+    length budget (max_new_tokens) and so DAPO's overlong penalty count. One turn: the
+    response mask."""
+    return rollout.attention_mask[:, rollout.prompt_width :].bool()
+
+
 def normalised_scores(
     reward_model, sequences, attention_mask, rollout: Rollout, shaping: Shaping, packing=None
 ) -> torch.Tensor:
     """(B,) the reward's scores of a rollout's answers, normalised by ppo.normalize_reward's
-    statistics. sequences, attention_mask: the rollout's, on the models' device."""
+    statistics, plus a multi-turn episode's environment rewards (0 where its step raised).
+    sequences, attention_mask: the rollout's, on the models' device."""
     scores = reward_scores(
         reward_model,
         sequences,
@@ -321,7 +328,7 @@ def normalised_scores(
     if shaping.reward_stats is not None:
         mean, std = shaping.reward_stats
         scores = (scores - mean) / max(std, 1e-6)
-    return scores
+    return episode_scores(scores, rollout)
 
 
 def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
@@ -547,11 +554,12 @@ class Collector:
     eot: int
     sampling: Sampling
     rollout_logprobs: bool  # old log-probs from the sampling pass (uses_rollout_logprobs)
-    rollouts: HFRollouts | VLLMPath
+    rollouts: HFRollouts | VLLMPath | EpisodeRollouts
     # keep the sampler's log-probs in each Experience for ppo.rollout_correction
     keep_sampler_logprobs: bool = False
     speed: Throughput = field(default_factory=Throughput)
     gap: LogprobGap = field(default_factory=LogprobGap)
+    episodes: EpisodeTally = field(default_factory=EpisodeTally)  # multi-turn: what happened
 
     def __call__(
         self,
@@ -575,6 +583,7 @@ class Collector:
             shaping.group_size,
             shaping.temperature if record else None,
         )
+        self.episodes.add(rollout)
         tokens = int(rollout.response_mask.sum())
         baselines = None
         if ESTIMATORS[shaping.estimator].greedy_baseline:
@@ -618,5 +627,7 @@ class Collector:
         short = answer_mask.sum(-1) < shaping.min_response_tokens
         unterminated = ~rollout.ended.to(device)
         scores = normalised_scores(self.models.reward, sequences, attention_mask, rollout, shaping)
-        baselines = outcome_rewards(scores, short, unterminated, answer_mask, shaping)
+        baselines = outcome_rewards(
+            scores, short, unterminated, episode_tokens(rollout).to(device), shaping
+        )
         return baselines.repeat_interleave(shaping.group_size), int(answer_mask.sum())

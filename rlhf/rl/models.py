@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf import registry
 from rlhf.config import Config, ConfigError, RoleConfig
+from rlhf.data.sources import source_task
 from rlhf.dist import world_size
 from rlhf.engine import (
     BatchShape,
@@ -113,10 +114,17 @@ def build_models(
         if engine is not None:
             log.info("%s: %s", role, engine_summary(engine))
     if ppo.reward_function is not None:
-        reward = RewardFunction(ppo.reward_function, tokenizer)
+        reward = RewardFunction(ppo.reward_function, tokenizer, prompt_tasks(cfg))
     else:
         reward = frozen_twin(cfg.critic, load_value_model, critic_attn)
     return Models(actor, reference, critic, reward, actor_config, critic_config)
+
+
+def prompt_tasks(cfg: Config) -> list[str]:
+    """The tasks of the PPO prompts' sources (ppo.prompt_sources, else every source)."""
+    names = cfg.ppo.prompt_sources or list(cfg.data.sources)
+    found = (source_task(cfg.data.sources[n]) for n in names if n in cfg.data.sources)
+    return [task for task in found if task]
 
 
 def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn: str | None):

@@ -12,6 +12,7 @@ optimiser's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -23,8 +24,11 @@ class RewardFunction:
     """Scores rollouts by decoding them and calling a rule-based reward function. A function
     that breaks its contract fails with a ConfigError at the first evaluation or rollout."""
 
-    def __init__(self, name: str, tokenizer):
-        self.name, self.fn, self.tokenizer = name, resolve_reward(name), tokenizer
+    def __init__(self, name: str, tokenizer, prompt_tasks: Sequence[str] = ()):
+        """``prompt_tasks``: the tasks of the PPO prompts, whose own reward of this name (a
+        built-in name several tasks offer: toy_gold) is the one taken."""
+        self.fn = resolve_reward(name, prompt_tasks)
+        self.name, self.tokenizer = name, tokenizer
 
     def __call__(
         self,
@@ -42,9 +46,11 @@ class RewardFunction:
             decode(ids[m.bool()], skip_special_tokens=True)
             for ids, m in zip(prompt_ids, prompt_mask)
         ]
+        # the whole answer: a multi-turn episode's observations too (what the attention mask
+        # covers after the prompt; the same tokens as the response mask's for one turn)
         answers = [
             decode(ids[m.bool()], skip_special_tokens=True)
-            for ids, m in zip(sequences[:, prompt_width:], response_mask)
+            for ids, m in zip(sequences[:, prompt_width:], attention_mask[:, prompt_width:])
         ]
         scores = list(self.fn(prompts, answers))
         if len(scores) != len(answers):

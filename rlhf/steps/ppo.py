@@ -22,7 +22,7 @@ from transformers import set_seed
 
 from rlhf import registry
 from rlhf.config import Config, ConfigError
-from rlhf.data.pipeline import phase_dataset
+from rlhf.data.pipeline import TASK, phase_dataset
 from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
@@ -30,6 +30,7 @@ from rlhf.evaluation import PPOEvaluator
 from rlhf.models import block_mask_problem, end_of_text_id, fast_path, read_stats
 from rlhf.rl.advantages import kl_controller, shaping
 from rlhf.rl.ema import EMA
+from rlhf.rl.episodes import EpisodeRollouts, episode_environment
 from rlhf.rl.experience import (
     Collector,
     correction_metrics,
@@ -107,7 +108,7 @@ class PPOSetup:
     score_position: str
     ema: EMA | None
     kl: object  # the KL coefficient's controller
-    rollouts: HFRollouts | VLLMPath  # the decoder (ppo.rollout_engine)
+    rollouts: HFRollouts | VLLMPath | EpisodeRollouts  # the decoder (ppo.rollout_engine)
     collect: Collector
     evaluator: PPOEvaluator
     run: Run
@@ -131,6 +132,7 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
         if problem := end_of_text_problem(eot, stats, reward_model_setting(cfg), tokenizer):
             raise ConfigError(problem)
     prompts, eval_rows = prompt_rows(cfg, tokenizer, eot)
+    env = episode_environment((prompts, eval_rows), TASK)  # a multi-turn task's environment
     plan = EpochPlan(
         len(prompts),
         ppo.per_device_generation_batch_size,
@@ -159,6 +161,10 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     cfg = replace(cfg, ppo=replace(ppo, packing=packing))
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype)
+    if env is not None:  # the task is an environment: episodes of several turns
+        synced = isinstance(rollouts, HFRollouts) and rollouts.synced
+        bounds, budget = ppo.multi_turn, max_new_tokens(cfg)
+        rollouts = EpisodeRollouts(rollouts, env, tokenizer, bounds, budget, eot, synced)
     collect = Collector(
         models,
         cfg,
@@ -264,6 +270,7 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         **rollout_stats,
         **group_stats,
         **(s.collect.gap.metrics() if measure_gap else {}),
+        **(s.collect.episodes.metrics("rollout") if multi_turn(s) else {}),
         **(correction_metrics(experiences, ppo) if ppo.correction != "none" else {}),
         **update_stats,
         "ppo/kl_coef": s.kl.value,
@@ -273,6 +280,10 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         **s.train_speed.metrics(),
         **({"perf/weight_sync_s": sync_seconds} if sync_seconds is not None else {}),
     }
+
+
+def multi_turn(s: PPOSetup) -> bool:
+    return isinstance(s.rollouts, EpisodeRollouts)
 
 
 def prompt_rows(cfg: Config, tokenizer, eot: int):

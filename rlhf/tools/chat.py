@@ -8,6 +8,15 @@ Each line read from stdin is one turn. The conversation is kept in the format th
 of it is the next prompt (its start is dropped when it no longer fits). Answers are greedy unless
 ``--sample``, and stop at the end-of-text token or where the model starts a new "Human:" turn.
 ``clear`` forgets the conversation, ``quit`` (or end of input) exits.
+
+With ``--env TASK`` (a task with an environment: ``toy_tools``, or ``package.module:attribute``)
+each answer is an episode, played by the loop PPO trains with: the model's turn ends at one of
+the task's turn stops (a tool call's closing tag), the environment's observation (the tool's
+result) is appended, and the model goes on, up to ``--max-turns`` turns. The answer printed is
+the whole transcript, so the call and its result are seen::
+
+    echo "What is 123 + 456?" | python -m rlhf.chat --path RUN/ppo/actor --env toy_tools
+    Assistant: <call>123+456</call> = 579 The answer is 579.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ class Chat:
         device: str = "auto",
         max_new_tokens: int = 128,
         trust_remote_code: bool = False,
+        env: str | None = None,
+        max_turns: int = 4,
         **sampling,
     ):
         import torch
@@ -53,15 +64,53 @@ class Chat:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling  # do_sample, temperature, top_p, top_k
         self.history = ""
+        self.episodes = None
+        if env is not None:
+            self.episodes = self._episodes(env, max_turns)
 
     def reset(self) -> None:
         self.history = ""
+
+    def _episodes(self, env_name: str, max_turns: int):
+        """The training loop's episode player on this model (rlhf.rl.episodes)."""
+        from rlhf import tasks
+        from rlhf.config import MultiTurnConfig
+        from rlhf.rl.episodes import EpisodeRollouts
+        from rlhf.rl.rollouts import ModuleRollouts
+
+        env = tasks.resolve(env_name)
+        if not tasks.is_environment(env):
+            raise tasks.TaskError(f"{env_name} has no step(episode, turn): not an environment")
+        end = self._end_ids()[0] if len(self._end_ids()) == 1 else self.tokenizer.eos_token_id
+        decoder = ModuleRollouts(self.model, self.tokenizer.pad_token_id, end, synced=False)
+        bounds = MultiTurnConfig(max_turns=max_turns)
+        return EpisodeRollouts(
+            decoder, env, self.tokenizer, bounds, self.max_new_tokens, end, synced=False
+        )
+
+    def _episode(self, ids: list[int]) -> str:
+        from rlhf.rl.generation import Sampling, decode_responses
+
+        sample = self.sampling.get("do_sample", False)
+        sampling = Sampling(
+            self.max_new_tokens,
+            greedy=not sample,
+            temperature=self.sampling.get("temperature", 1.0),
+            top_p=self.sampling.get("top_p", 1.0),
+            top_k=self.sampling.get("top_k", 0),
+        )
+        rollout = self.episodes.generate([ids], sampling)
+        return decode_responses(self.tokenizer, rollout)[0]
 
     def reply(self, question: str) -> str:
         import torch
 
         prompt = self.history + turn(question)
         ids = self._fit(self.tokenizer(prompt)["input_ids"])
+        if self.episodes is not None:
+            answer = cut_at_stop(self._episode(ids))
+            self.history = prompt + answer.rstrip()
+            return answer.strip()
         input_ids = torch.tensor([ids], device=self.device)
         with torch.no_grad():
             out = self.model.generate(
@@ -112,7 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"do_sample": args.sample}
     if args.sample:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    chat = Chat(args.path, args.device, args.max_new_tokens, args.trust_remote_code, **sampling)
+    try:
+        chat = Chat(
+            args.path,
+            args.device,
+            args.max_new_tokens,
+            args.trust_remote_code,
+            args.env,
+            args.max_turns,
+            **sampling,
+        )
+    except ValueError as err:  # TaskError: an --env that does not resolve
+        print(f"error: --env {args.env}: {err}", file=sys.stderr)
+        return 2
     interactive = sys.stdin.isatty()
     if interactive:
         print("Type a message; 'clear' forgets the conversation, 'quit' exits.", file=sys.stderr)
@@ -156,6 +217,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument(
+        "--env",
+        help="play episodes against this task's environment (toy_tools, package.module:attribute)",
+    )
+    p.add_argument("--max-turns", type=int, default=4, help="model turns an episode takes at most")
     p.add_argument("--device", default="auto", help="auto (cuda when there is one), cpu, cuda")
     p.add_argument(
         "--trust-remote-code",
