@@ -534,9 +534,6 @@ class DPOEvaluator:
         metrics["eval/response_length"] = _mean(greedy["length"])
         if reference is not None:
             metrics["eval/kl"] = _mean(sampled["kl"])
-        if self.multi_turn:  # turns, tool calls and errors, the environment's metrics
-            metrics.update(greedy["episodes"].metrics("eval"))
-            metrics.update(sampled["episodes"].metrics("eval", "_sampled"))
         if self.checkable:
             metrics.update(gold_metrics(gold_sums(greedy["grade"])))
             metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
@@ -575,8 +572,7 @@ class DPOEvaluator:
             )
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
-            lengths = rollout.response_mask.sum(1).tolist()  # the model's tokens
-            out["episodes"].add(rollout, valid)
+            lengths = rollout.response_mask.sum(1).tolist()
             with_kl = reference is not None and sampling is self.sampled
             kl = self._kl(engine, reference, rollout, sampling) if with_kl else None
             for i in (i for i, ok in enumerate(valid) if ok):
