@@ -274,3 +274,18 @@ def test_zero3_ranks_whose_episodes_end_at_different_turns_neither_hang_nor_drop
     assert proc.returncode == 0, proc.stderr[-4000:]
     oks = sorted(line.split(":")[0] for line in proc.stdout.splitlines() if " ok: " in line)
     assert oks == ["rank 0 ok", "rank 1 ok"], proc.stdout[-2000:]
+
+
+def test_a_multi_turn_run_takes_its_prompts_from_its_environment_alone():
+    from datasets import Dataset
+
+    from rlhf.rl.episodes import episode_environment
+
+    only = Dataset.from_dict({"task": ["toy_tools"] * 3})
+    assert episode_environment([only], "task").name == "toy_tools"
+    assert episode_environment([Dataset.from_dict({"task": ["toy"]})], "task") is None
+    assert episode_environment([Dataset.from_dict({"prompt": ["hi"]})], "task") is None
+    for other in (["toy"], [None]):
+        mixed = Dataset.from_dict({"task": ["toy_tools", *other]})
+        with pytest.raises(ConfigError, match=r"runs multi-turn episodes; take .* alone"):
+            episode_environment([mixed], "task")

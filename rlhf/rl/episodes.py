@@ -231,11 +231,14 @@ class EpisodeRollouts:
     def _observe(self, episode: _Episode, observation: str) -> None:
         """Append an observation's ids, cut to the observation bound and to what leaves the
         episode one more model token; an episode with no room left ends, cut."""
+        if len(episode.ids) >= self.budget:  # no room for another turn: cut here
+            episode.finish(ended=False)
+            return
         ids = self.tokenizer.encode(observation, add_special_tokens=False)
         room = min(self.bounds.max_observation_tokens, self.budget - len(episode.ids) - 1)
         if len(ids) > room:
             episode.obs_truncated += 1
-            ids = ids[: max(room, 0)]
+            ids = ids[:room]
         episode.view.observations.append(self.tokenizer.decode(ids))
         episode.append(ids, False, [0.0] * len(ids))
         if len(episode.ids) >= self.budget:
@@ -322,19 +325,25 @@ def episode_environment(rows_by_split: Sequence, column: str) -> tasks.Task | No
     multi-turn run takes its prompts from one environment task: a mix of tasks where one is an
     environment is refused by name."""
     names = sorted({name for rows in rows_by_split for name in _task_names(rows, column)})
-    envs = [name for name in names if tasks.is_environment(tasks.resolve(name))]
+    envs = [name for name in names if name and tasks.is_environment(tasks.resolve(name))]
     if not envs:
         return None
     if len(names) > 1:
+        shown = ", ".join(name or "(rows of no task)" for name in names)
         raise ConfigError(
-            f"the PPO prompts come from tasks {', '.join(names)}, of which {', '.join(envs)} "
-            "runs multi-turn episodes; take a multi-turn run's prompts from that task alone "
-            "(ppo.prompt_sources)"
+            f"the PPO prompts come from {shown}, of which {', '.join(envs)} runs multi-turn "
+            "episodes; take a multi-turn run's prompts from that task alone (ppo.prompt_sources)"
         )
-    return tasks.resolve(envs[0])
+    env = tasks.resolve(envs[0])
+    try:
+        tasks.turn_stops(env)
+    except tasks.TaskError as err:
+        raise ConfigError(f"environment {env.name}: {err}") from None
+    return env
 
 
 def _task_names(rows, column: str) -> set[str]:
+    """The task names of ``rows`` ("" for rows of no task)."""
     if column not in rows.column_names:
-        return set()
-    return {name for name in rows.unique(column) if name}
+        return {""}
+    return {name or "" for name in rows.unique(column)}
