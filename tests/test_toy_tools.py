@@ -8,11 +8,11 @@ from transformers import AutoTokenizer
 from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.tasks import Episode, Grade, toy, toy_tools
-from rlhf.tasks.toy_tools import TASK
+from rlhf.tasks.toy_tools import GENERATOR_VERSION, TASK
 
 COLUMNS = {"prompt", "response", "chosen", "rejected", "uses_tool", "rejected_kind"}
 PROMPT = "\n\nHuman: What is 123 + 456?\n\nAssistant:"
-TOOL = " <call>123+456</call> = 579 The answer is 579."
+TOOL = " <call> 123 + 456</call> = 579 The answer is 579."
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_rows_are_deterministic_with_the_schema(train_rows):
 
 def test_the_task_resolves_as_an_environment_with_its_stop():
     task = tasks.resolve("toy_tools")
-    assert task is TASK and task.name == "toy_tools" and task.version == 1
+    assert task is TASK and task.name == "toy_tools" and task.version == GENERATOR_VERSION
     assert tasks.is_environment(task) and tasks.turn_stops(task) == ("</call>",)
     assert "toy_tools" in tasks.reward_owners("toy_gold")
     assert task.rows("test", 3, 1) == toy_tools.generate_rows("test", 3, 1)
@@ -96,13 +96,13 @@ def test_grade_reads_the_answer_after_the_last_observation_only():
 
     assert verdict(TOOL) == Grade(True, True)
     assert verdict(" The answer is 579.") == Grade(True, True)
-    assert verdict(" <call>123+456</call> = 579") == Grade(False, False)  # no answer: obs only
-    assert verdict(" <call>123+456</call>") == Grade(False, False)
+    assert verdict(" <call> 123 + 456</call> = 579") == Grade(False, False)  # no answer: obs only
+    assert verdict(" <call> 123 + 456</call>") == Grade(False, False)
     assert verdict(" The answer is 579. <call>1+1</call> = 2") == Grade(False, False)
-    assert verdict(" <call>123+456</call> = 579 The answer is 578.") == Grade(False, True)
+    assert verdict(" <call> 123 + 456</call> = 579 The answer is 578.") == Grade(False, True)
     assert verdict(" <call>579+0") == Grade(False, False)  # an unclosed call is no answer
     # the observation dropped (a reward decoding the model's tokens only) grades the same
-    assert verdict(" <call>123+456</call> The answer is 579.") == Grade(True, True)
+    assert verdict(" <call> 123 + 456</call> The answer is 579.") == Grade(True, True)
     # any form with the right value is correct, only the answer sentence is clean
     assert verdict(" 579") == Grade(True, False)
     assert verdict(" the answer is 579, I think") == Grade(True, False)
@@ -145,7 +145,7 @@ def test_toy_gold_is_one_for_a_correct_clean_transcript_only(train_rows):
 
 def test_step_answers_a_call_with_the_calculator():
     episode = Episode(prompt=PROMPT)
-    good = TASK.step(episode, " <call>123+456</call>")
+    good = TASK.step(episode, " <call> 123 + 456</call>")
     assert (good.observation, good.done, good.reward) == (" = 579", False, None)
     assert good.metrics == {"tool_calls": 1.0, "tool_errors": 0.0}
     assert TASK.step(episode, " <call>3*4</call>").observation == " = 12"
@@ -154,14 +154,14 @@ def test_step_answers_a_call_with_the_calculator():
         bad = TASK.step(episode, f" <call>{malformed}</call>")
         assert (bad.observation, bad.done) == (" = error", False), malformed
         assert bad.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
-    assert TASK.step(episode, " 123+456</call>").observation == " = error"  # no opening tag
+    assert TASK.step(episode, " 123 + 456</call>").observation == " = error"  # no opening tag
     # the last call counts
     assert TASK.step(episode, " <call>1+1</call> <call>2+2</call>").observation == " = 4"
 
 
 def test_step_ends_the_episode_on_a_direct_answer():
-    episode = Episode(prompt=PROMPT, turns=[" <call>123+456</call>"], observations=[" = 579"])
-    for turn in [" The answer is 579.", "", " <call>123+456</call> The answer is 579."]:
+    episode = Episode(prompt=PROMPT, turns=[" <call> 123 + 456</call>"], observations=[" = 579"])
+    for turn in [" The answer is 579.", "", " <call> 123 + 456</call> The answer is 579."]:
         done = TASK.step(episode, turn)
         assert (done.observation, done.done, done.reward) == ("", True, None)
         assert done.metrics == {"tool_calls": 0.0, "tool_errors": 0.0}
@@ -169,7 +169,7 @@ def test_step_ends_the_episode_on_a_direct_answer():
 
 def test_an_episode_transcript_is_the_demonstration():
     episode = Episode(PROMPT)
-    for turn in (" <call>123+456</call>", " The answer is 579."):
+    for turn in (" <call> 123 + 456</call>", " The answer is 579."):
         step = TASK.step(episode, turn)
         episode.turns.append(turn)
         if step.observation:

@@ -8,7 +8,7 @@ task is an environment (:mod:`rlhf.tasks`): a model turn that ends with a call i
 the calculator's observation, and the model writes its answer in the next turn::
 
     prompt       "\\n\\nHuman: What is 123 + 456?\\n\\nAssistant:"
-    turn 1       " <call>123+456</call>"          (ends at the turn stop "</call>")
+    turn 1       " <call> 123 + 456</call>"          (ends at the turn stop "</call>")
     observation  " = 579"                          (" = error" for a call it cannot evaluate)
     turn 2       " The answer is 579."
     direct       " The answer is 579."             (one turn, no call)
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 # Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 # A minority of tool demonstrations: SFT makes the tool known without making it the habit, so
 # that using it more is what RLHF has to learn.
@@ -95,11 +95,11 @@ _REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
 # Calls the calculator cannot evaluate, as a small model writes them.
 _MALFORMED_CALLS = (
     "",
-    "{a}{op}",
-    "{op}{b}",
-    "{a}{b}",
-    "{a}{op}{op}{b}",
-    "{a}{op}{b}=",
+    "{a} {op}",
+    "{op} {b}",
+    "{a} {b}",
+    "{a} {op} {op} {b}",
+    "{a} {op} {b} =",
     "{a} {word} {b}",
 )
 _OP_WORDS = {"+": "plus", "-": "minus"}
@@ -120,8 +120,10 @@ class Problem(NamedTuple):
 
     @property
     def expression(self) -> str:
-        """The call's text: no spaces, so a call is few tokens ("123+456")."""
-        return f"{self.a}{self.op}{self.b}"
+        """The call's text, spaced as the question writes it ("123 + 456"): the byte-level BPE
+        then gives the numbers the very tokens they have in the prompt (" 12", "3"), so a call is
+        a copy of the question's tokens; unspaced, "123+456" would be spelt digit by digit."""
+        return f"{self.a} {self.op} {self.b}"
 
 
 # ---------------------------------------------------------------------------------------------- the calculator
@@ -141,8 +143,8 @@ def observation(value: int | None) -> str:
 
 
 def tool_call(expression: str) -> str:
-    """A model turn calling the calculator: " <call>123+456</call>"."""
-    return f" {CALL_OPEN}{expression}{CALL_CLOSE}"
+    """A model turn calling the calculator: " <call> 123 + 456</call>"."""
+    return f" {CALL_OPEN} {expression}{CALL_CLOSE}"
 
 
 def answer_sentence(value: int) -> str:
@@ -380,9 +382,9 @@ def _rejected(kind: str, problem: Problem, rng: random.Random) -> str:
     """A transcript of ``kind`` whose final value is wrong:
 
     - wrong_value     " The answer is 589."
-    - miscopied       " <call>123+456</call> = 579 The answer is 597."
-    - malformed_call  " <call>123+</call> = error The answer is 589."
-    - wrong_operands  " <call>124+456</call> = 580 The answer is 580."
+    - miscopied       " <call> 123 + 456</call> = 579 The answer is 597."
+    - malformed_call  " <call> 123 +</call> = error The answer is 589."
+    - wrong_operands  " <call> 124 + 456</call> = 580 The answer is 580."
     """
     if kind == "wrong_value":
         return answer_sentence(_wrong_value(problem, rng))
