@@ -63,6 +63,18 @@ def row_environment(rows: list[dict]) -> tasks.Task | None:
     return task if tasks.is_environment(task) else None
 
 
+def answer_decoder(cfg: Config, engine, tokenizer, eot: int, rows: list[dict]):
+    """How SFT's and DPO's evaluations decode held-out answers with the engine's own module:
+    one turn, or on an environment's rows whole episodes (the budget: max_new_tokens)."""
+    synced = cfg.zero.stage == 3 and world_size() > 1
+    decoder = ModuleRollouts(engine.module, tokenizer.pad_token_id, eot, synced)
+    env = row_environment(rows)
+    if env is None:
+        return decoder
+    bounds = cfg.ppo.multi_turn
+    return EpisodeRollouts(decoder, env, tokenizer, bounds, max_new_tokens(cfg), eot, synced)
+
+
 def gold_sums(grades: list[tasks.Grade]) -> list[float]:
     """[answers, passed, correct, clean] of some graded answers (summed over ranks by callers)."""
     return [
@@ -133,14 +145,8 @@ class SFTEvaluator:
     def gold(self, engine) -> dict[str, float]:
         """Greedy answers graded; on an environment's task, whole episodes (eval/turns,
         eval/tool_calls ... beside the gold metrics)."""
-        synced = self.cfg.zero.stage == 3 and world_size() > 1
-        decoder = ModuleRollouts(engine.module, self.tokenizer.pad_token_id, self.eot, synced)
+        decoder = answer_decoder(self.cfg, engine, self.tokenizer, self.eot, self.gold_rows)
         env = row_environment(self.gold_rows)
-        if env is not None:
-            bounds, budget = self.cfg.ppo.multi_turn, self.sampling.max_new_tokens
-            decoder = EpisodeRollouts(
-                decoder, env, self.tokenizer, bounds, budget, self.eot, synced
-            )
         grades, episodes = [], EpisodeTally()
         for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
             rows = [self.gold_rows[i] for i in indices]
@@ -508,7 +514,8 @@ class DPOEvaluator:
     greedy (ppo.eval_greedy) for eval/response_length and, where the prompts have a checker,
     eval/gold_accuracy and its halves; ppo.eval_samples sampled answers a prompt at
     ppo.temperature for eval/gold_accuracy_sampled (and halves) and, with a reference, eval/kl
-    (ppo.kl_estimator summed over an answer, at the temperature it was drawn at)."""
+    (ppo.kl_estimator summed over an answer, at the temperature it was drawn at). On an
+    environment's task each answer is an episode, as in PPO's evaluation."""
 
     sample_columns = ("prompt", "answer", "gold")
 
@@ -534,6 +541,9 @@ class DPOEvaluator:
         metrics["eval/response_length"] = _mean(greedy["length"])
         if reference is not None:
             metrics["eval/kl"] = _mean(sampled["kl"])
+        if row_environment(self.rows) is not None:  # the episodes' turns and tool metrics
+            metrics.update(greedy["episodes"].metrics("eval"))
+            metrics.update(sampled["episodes"].metrics("eval", "_sampled"))
         if self.checkable:
             metrics.update(gold_metrics(gold_sums(greedy["grade"])))
             metrics.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
@@ -558,18 +568,12 @@ class DPOEvaluator:
 
     def _answers(self, engine, reference, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
         """This rank's answers to its shard of ``rows``: the length, grade and KL of each."""
-        synced = self.cfg.zero.stage == 3 and world_size() > 1
-        out: dict[str, list] = {"length": [], "grade": [], "kl": []}
+        decoder = answer_decoder(self.cfg, engine, self.tokenizer, self.eot, self.rows)
+        out: dict[str, Any] = {"length": [], "grade": [], "kl": [], "episodes": EpisodeTally()}
         for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
             batch = [rows[i] for i in indices]
-            rollout = generate(
-                engine.module,
-                [r["prompt_ids"] for r in batch],
-                self.tokenizer.pad_token_id,
-                self.eot,
-                sampling,
-                synced,
-            )
+            rollout = decoder.generate([r["prompt_ids"] for r in batch], sampling)
+            out["episodes"].add(rollout, valid)
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
             lengths = rollout.response_mask.sum(1).tolist()

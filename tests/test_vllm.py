@@ -223,3 +223,62 @@ def test_zero3_on_two_ranks_pushes_the_gathered_weights_into_each_ranks_engine(t
     lines = sorted(line for line in proc.stdout.splitlines() if " ok: " in line)
     assert [line.split(" ok: ")[0] for line in lines] == ["rank 0", "rank 1"]
     assert all("greedy equal" in line for line in lines)
+
+
+class _EngineDecoder:
+    """VLLMRollouts behind the decoder interface EpisodeRollouts takes (as VLLMPath is)."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None):
+        pad, end = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        return self.engine.generate(prompts, pad, end, sampling, group_size=group_size)
+
+
+class _Stops:
+    """An environment whose turns end at frequent single tokens (vLLM's stop_token_ids) and are
+    answered by a fixed observation; the third turn ends the episode."""
+
+    name = "stops"
+
+    def __init__(self, turn_stops):
+        self.turn_stops = turn_stops
+
+    def step(self, episode, turn):
+        from rlhf.tasks import Step
+
+        return Step(" Human: ok.", done=len(episode.turns) >= 2)
+
+
+def test_greedy_episodes_equal_the_transformers_path(engine, actor, tokenizer):
+    """The same multi-turn episodes, token for token, on vLLM and on the transformers path."""
+    from rlhf.config import MultiTurnConfig
+    from rlhf.rl.episodes import EpisodeRollouts
+    from rlhf.rl.rollouts import ModuleRollouts
+
+    single = [
+        t
+        for t in range(300, 420)
+        if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
+    ]
+    stops = tuple(tokenizer.decode([t]) for t in single)
+    env, bounds = _Stops(stops), MultiTurnConfig()
+    pad, end = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompts = _prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=40, greedy=True)
+    on_vllm = EpisodeRollouts(
+        _EngineDecoder(engine, tokenizer), env, tokenizer, bounds, 40, end, False
+    )
+    on_hf = EpisodeRollouts(
+        ModuleRollouts(actor, pad, end, False), env, tokenizer, bounds, 40, end, False
+    )
+    ours = on_vllm.generate(prompts, sampling, logprobs_temperature=1.0)
+    theirs = on_hf.generate(prompts, sampling, logprobs_temperature=1.0)
+    assert ours.episodes.turns.max() > 1
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert torch.equal(ours.attention_mask, theirs.attention_mask)
+    assert torch.equal(ours.response_mask, theirs.response_mask)
+    assert torch.equal(ours.episodes.turns, theirs.episodes.turns)
+    gap = (ours.logprobs - theirs.logprobs)[ours.response_mask].abs().max().item()
+    assert gap < 1e-4

@@ -12,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 # per step: (metric, label), shown where the summary has it
+# an environment's episodes (rlhf.rl.episodes); tool_calls is toy_tools' own metric
+MULTI_TURN = (
+    ("eval/turns", "model turns an episode, greedy"),
+    ("eval/tool_calls", "tool calls an answer, greedy"),
+    ("eval/tool_calls_sampled", "tool calls an answer, sampled"),
+    ("eval/env_errors", "environment errors an episode, greedy"),
+)
 HEADLINES = {
     "sft": (
         ("eval/ppl", "held-out perplexity"),
@@ -22,9 +29,11 @@ HEADLINES = {
         ("eval/gold_accuracy", "gold accuracy, greedy"),
         ("eval/gold_accuracy_sampled", "gold accuracy, sampled"),
         ("eval/gold_correct", "right value, greedy"),
+        ("eval/gold_correct_sampled", "right value, sampled"),
         ("eval/gold_clean", "clean form, greedy"),
         ("eval/reward", "reward, held-out prompts"),
         ("eval/kl", "KL to the reference, nats an answer"),
+        *MULTI_TURN,
     ),
     "dpo": (
         ("eval/accuracy", "implicit-reward accuracy, held out"),
@@ -32,6 +41,7 @@ HEADLINES = {
         ("eval/gold_accuracy_sampled", "gold accuracy, sampled"),
         ("eval/gold_correct", "right value, greedy"),
         ("eval/kl", "KL to the reference, nats an answer"),
+        *MULTI_TURN,
     ),
 }
 # the exports a step writes, in the order they are listed
