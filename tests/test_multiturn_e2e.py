@@ -1,0 +1,91 @@
+"""Multi-turn PPO end to end on data=toy_tools (reduced sizes): a run killed with SIGKILL
+mid-PPO resumes to the uninterrupted run's metric rows, ZeRO-3 on 2 ranks plays episodes, and
+GRPO with the gold checker as its reward runs the episodes; every run reports its episodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, read_metrics
+from tests.test_resume import _kill_at, _rows, _run
+
+pytestmark = pytest.mark.slow
+
+TOOLS = [
+    "data=toy_tools",
+    *(o for o in FAST if not o.startswith("data.sources.toy.")),
+    "data.sources.toy_tools.num_rows=1400",
+    "reward.gold_eval_prompts=8",
+    "ppo.per_device_generation_batch_size=8",
+    "ppo.per_device_training_batch_size=8",
+    "ppo.eval_prompts=8",
+    "ppo.eval_samples=1",
+]
+PPO = [*TOOLS, "step=ppo", "step.log_interval=1", "step.checkpoint_interval=4"]
+
+
+@pytest.fixture(scope="module")
+def exports(cache_dir, tmp_path_factory) -> Path:
+    """SFT and reward exports on the reduced toy_tools data (a few hundred steps each)."""
+    run_dir = tmp_path_factory.mktemp("tools-pipeline")
+    _run([*TOOLS, "step=sft"], run_dir / "sft", cache_dir)
+    sft = f"model.path={run_dir / 'sft' / 'model'}"
+    _run([*TOOLS, "step=reward", sft, "optim.epochs=1"], run_dir / "reward", cache_dir)
+    return run_dir
+
+
+def _ppo(exports: Path, *overrides: str) -> list[str]:
+    return [
+        *PPO,
+        f"actor.model.path={exports / 'sft' / 'model'}",
+        f"critic.model.path={exports / 'reward' / 'model'}",
+        *overrides,
+    ]
+
+
+def _episode_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "rollout/turns" in r]
+
+
+def test_a_multi_turn_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(
+    exports, cache_dir, tmp_path
+):
+    overrides = _ppo(exports, "step.max_steps=8", "step.eval_interval=4")
+    reference = tmp_path / "reference"
+    _run(overrides, reference, cache_dir)
+    rows = _episode_rows(reference)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(r["rollout/env_errors"] == 0 for r in rows)
+    assert any(r["rollout/turns"] > 1 for r in rows)  # episodes with a tool call
+    assert "eval/tool_calls_sampled" in read_metrics(reference)[-1]
+
+    resumed = tmp_path / "resumed"
+    _kill_at(overrides, resumed, cache_dir, 6)  # checkpoint at 4; rows 5 and 6 redone
+    _run(overrides, resumed, cache_dir)
+    assert _rows(resumed) == _rows(reference)
+
+
+def test_zero3_on_two_ranks_plays_episodes(exports, cache_dir, tmp_path):
+    overrides = _ppo(exports, "zero=stage3", "step.max_steps=3", "step.eval_interval=3")
+    _run(overrides, tmp_path, cache_dir, nproc=2)
+    rows = _episode_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/env_errors"] == 0 for r in rows)
+    assert "eval/turns" in read_metrics(tmp_path)[-1]
+
+
+def test_grpo_with_the_gold_checker_plays_whole_episodes_in_groups(exports, cache_dir, tmp_path):
+    overrides = _ppo(
+        exports,
+        "algo=grpo",
+        "ppo.reward_function=toy_gold",
+        "ppo.per_device_generation_batch_size=2",
+        "step.max_steps=3",
+        "step.eval_interval=3",
+    )
+    _run(overrides, tmp_path, cache_dir)
+    rows = _episode_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0.0 <= r["ppo/reward"] <= 1.0 for r in rows)  # toy_gold's 0/1, whole episodes
