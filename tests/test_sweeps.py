@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from rlhf.config import register_configs
 from rlhf.tools import launcher as mechanics
-from rlhf.tuning import TINY_VOCAB_SIZE
+from rlhf.tuning import TINY_VOCAB_SIZE, is_embedded_default
 from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
@@ -329,3 +329,13 @@ def test_two_rank_job_inside_a_sweep(tmp_path, cache_dir):
     assert record["command"][2:5] == ["torch.distributed.run", "--nproc_per_node", "2"]
     logs = (job_dir / "job.log").read_text() + (job_dir / "__main__.log").read_text()
     assert re.search(r"\b2 rank", logs), logs[-2000:]
+
+
+def test_the_algos_sweep_runs_every_algorithm_on_the_tool_task():
+    """-cd sweeps -cn algos data=toy_tools: every job validates on the multi-turn task, with the
+    embedded default's tuning (toy_tools is one of its tasks)."""
+    params = sweep_axes("algos", ["data=toy_tools"])
+    for value in params["algo"]:
+        job = validated(compose_sweep("algos", ["data=toy_tools", f"algo={value}"]))
+        assert list(job.data.sources) == ["toy_tools"]
+        assert job.step.name == "all" and is_embedded_default(job)
