@@ -70,13 +70,15 @@ __all__ = [
 ]
 
 # Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 # A minority of tool demonstrations: SFT makes the tool known without making it the habit, so
 # that using it more is what RLHF has to learn.
 TOOL_SHARE = 0.3
-# Most chosen answers use the tool, so a reward model learns to like a faithfully copied result.
-CHOSEN_TOOL_SHARE = 0.7
+# Most chosen answers use the tool, so a reward model learns to like a faithfully copied result:
+# a right direct answer is one the model cannot check, and at 0.7 the reward model (0.71 of the
+# held-out pairs ranked right) moved PPO's sampled tool use only from 0.30 to 0.53 at kl_coef 0.3.
+CHOSEN_TOOL_SHARE = 0.9
 
 QUESTIONS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?")
 OPERATIONS = ("+", "-")
