@@ -13,7 +13,6 @@ import torch
 
 from rlhf.config import Config
 from rlhf.dist import world_size
-from rlhf.engine import model_device
 from rlhf.rl.generation import Rollout, Sampling, generate
 from rlhf.rl.models import max_new_tokens
 from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
@@ -47,6 +46,7 @@ class HFRollouts:
     def __init__(self, cfg: Config, actor, pad_id: int, end_id: int):
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.synced = cfg.actor.zero.stage == 3 and world_size() > 1
+        self.module = ModuleRollouts(actor.module, pad_id, end_id, self.synced)
 
     def generate(
         self,
@@ -60,19 +60,9 @@ class HFRollouts:
         ``logprobs_temperature`` each answer token's log-prob under it. DeepSpeed-Chat's order:
         ``engine.eval()`` (the hybrid engine swaps in its inference kernels) -> generate ->
         ``engine.train()`` (the training kernels back before any log-prob or update)."""
-        rows = [list(p) for p in prompts for _ in range(group_size)]
         self.actor.eval()
         try:
-            with seeded(seed, model_device(self.actor)):
-                return generate(
-                    self.actor.module,
-                    rows,
-                    self.pad_id,
-                    self.end_id,
-                    sampling,
-                    self.synced,
-                    logprobs_temperature,
-                )
+            return self.module.generate(prompts, sampling, seed, group_size, logprobs_temperature)
         finally:
             self.actor.train()
 
