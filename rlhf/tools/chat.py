@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem := model_problem(Path(args.path)):
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.max_turns < 1:
+        print(f"error: --max-turns {args.max_turns}: expected an integer >= 1", file=sys.stderr)
+        return 2
     sampling = {"do_sample": args.sample}
     if args.sample:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
