@@ -143,3 +143,85 @@ def test_a_reward_model_is_refused(tmp_path):
     assert (
         "a reward model (OPTForSequenceClassification in its config.json), not a causal LM" in line
     )
+
+
+# ---------------------------------------------------------------------------------- --env: episodes
+TOOL_QUESTION = "What is 123 + 456?"
+# the demonstration it memorises has the wrong sum: only the environment writes " = 579"
+MEMORISED = " <call> 123 + 456</call> = 578 The answer is 578."
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tmp_path_factory):
+    """The tiny model overfitted on one toy_tools transcript, so that greedily it calls the tool."""
+    path = _save_tiny(tmp_path_factory.mktemp("tool-caller"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = OPTForCausalLM.from_pretrained(path)
+    ids = tokenizer(turn(TOOL_QUESTION) + MEMORISED)["input_ids"] + [tokenizer.eos_token_id]
+    ids = torch.tensor([ids])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    return path
+
+
+def _chat(path, *args: str, script: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "rlhf.chat", "--path", str(path), *args]
+    return subprocess.run(
+        command, input=script, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def _episode_by_hand(path, max_new_tokens: int) -> str:
+    """Transformers' generate turn by turn: to the tool call's closing tag, the calculator's
+    observation appended as its own token ids, then on to end-of-text."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = OPTForCausalLM.from_pretrained(path).eval()
+    prompt = tokenizer(turn(TOOL_QUESTION), return_tensors="pt")["input_ids"]
+    greedy = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    first = model.generate(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        stop_strings=["</call>"],
+        tokenizer=tokenizer,
+        **greedy,
+    )
+    observation = tokenizer(" = 579", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    context = torch.cat([first, observation], dim=1)
+    left = max_new_tokens - (context.shape[1] - prompt.shape[1])
+    out = model.generate(context, max_new_tokens=left, **greedy)
+    return tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_chat_env_plays_the_episode_with_the_tools_answer(tool_caller):
+    plain = _chat(tool_caller, "--max-new-tokens", "40", script=TOOL_QUESTION + "\n")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() == f"Assistant: {MEMORISED.strip()}"  # the model's own sum
+    played = _chat(
+        tool_caller, "--max-new-tokens", "40", "--env", "toy_tools", script=TOOL_QUESTION + "\n"
+    )
+    assert played.returncode == 0, played.stderr
+    [answer] = [ln for ln in played.stdout.splitlines() if ln.startswith("Assistant:")]
+    assert answer.startswith("Assistant: <call> 123 + 456</call> = 579")  # the calculator's
+    assert answer == f"Assistant: {_episode_by_hand(tool_caller, 40)}"
+
+
+def test_chat_env_stops_at_max_turns(tool_caller):
+    played = _chat(
+        tool_caller,
+        *("--max-new-tokens", "40", "--env", "toy_tools", "--max-turns", "1"),
+        script=TOOL_QUESTION + "\n",
+    )
+    assert played.returncode == 0, played.stderr
+    assert played.stdout.strip() == "Assistant: <call> 123 + 456</call>"  # no turn to go on
+
+
+def test_chat_env_must_be_an_environment(tool_caller):
+    for env, message in (("toy", "not an environment"), ("no_such_task", "no_such_task")):
+        proc = _chat(tool_caller, "--env", env, script=TOOL_QUESTION + "\n")
+        assert proc.returncode == 2 and proc.stdout == ""
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: --env {env}:") and message in line

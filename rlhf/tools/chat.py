@@ -16,7 +16,7 @@ result) is appended, and the model goes on, up to ``--max-turns`` turns. The ans
 the whole transcript, so the call and its result are seen::
 
     echo "What is 123 + 456?" | python -m rlhf.chat --path RUN/ppo/actor --env toy_tools
-    Assistant: <call>123+456</call> = 579 The answer is 579.
+    Assistant: <call> 123 + 456</call> = 579 The answer is 579.
 """
 
 from __future__ import annotations
