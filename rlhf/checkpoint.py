@@ -7,6 +7,10 @@ into a hidden temporary directory and renamed into place once complete, so a cra
 disk mid-write leaves the previous checkpoint intact (a full disk is reported as such, with the
 space needed); only the last ``keep`` are kept.
 
+The last file written, atomically, is ``manifest.json``: every other file's size and SHA-256.
+A checkpoint is used only when its files match it, so a truncated or partly copied one is
+skipped (with a warning naming it) for the newest intact one, found before any model is built.
+
 Each checkpoint also keeps the config it was made under (``config.json``): ``resume=auto``
 continues only a run of the same config (:func:`resume_problem` lists what differs), so a
 command pointed at someone else's run directory does not train on and overwrite that run.
@@ -15,6 +19,7 @@ command pointed at someone else's run directory does not train on and overwrite 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
 CONFIG_FILE = "config.json"  # in each checkpoint: the config it was made under
+MANIFEST = "manifest.json"  # in each checkpoint, written last: every other file's size and hash
 # what a resumed run may change: where files go, how often it logs, evaluates and checkpoints,
 # what its evaluations sample, injected faults, the resume mode ("ppo.eval_": every ppo.eval_*)
 RESUMABLE = (
@@ -90,12 +96,77 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (temporary directories are never complete)."""
+    """The newest intact checkpoint (temporary directories are never complete); a newer one
+    that is not intact is skipped with a warning naming it and why."""
+    for path in reversed(_step_dirs(run_dir)):
+        problem = integrity_problem(path)
+        if problem is None:
+            return path
+        if path not in _WARNED:
+            _WARNED.add(path)
+            log.warning("checkpoint %s skipped: %s", path, problem)
+    return None
+
+
+def _step_dirs(run_dir: Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return None
-    steps = sorted(p for p in root.iterdir() if _NAME.match(p.name))
-    return steps[-1] if steps else None
+    return sorted(p for p in root.iterdir() if _NAME.match(p.name)) if root.is_dir() else []
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """``directory``'s files (sizes and SHA-256), written to a temporary name and renamed, so
+    that a manifest is either absent or whole."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {
+        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": file_digest(p)}
+        for p in files
+    }
+    partial = directory / f".{MANIFEST}.partial"
+    partial.write_text(json.dumps({"files": entries}, indent=1))
+    os.replace(partial, directory / MANIFEST)
+
+
+_VERIFIED: dict[tuple[Path, float], str | None] = {}  # a checkpoint is hashed once a process
+_WARNED: set[Path] = set()
+
+
+def integrity_problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` must not be used (None: every file its manifest lists is
+    there with its size and hash)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST} (incomplete, or written before checkpoints had one)"
+    key = (path.resolve(), manifest.stat().st_mtime)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _mismatch(path, manifest)
+    return _VERIFIED[key]
+
+
+def _mismatch(path: Path, manifest: Path) -> str | None:
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["size"]:
+            return f"{name} has {file.stat().st_size} bytes, {entry['size']} written"
+        if file_digest(file) != entry["sha256"]:
+            return f"{name} differs from what was written (SHA-256)"
+    return None
+
+
+def unusable(run_dir: Path) -> list[Path]:
+    """Checkpoints in ``run_dir`` when none is intact (empty: there is none, or one to use)."""
+    dirs = _step_dirs(run_dir)
+    return [] if not dirs or latest(run_dir) is not None else dirs
 
 
 def resume_point(run_dir: Path, mode: str) -> Path | None:
@@ -103,6 +174,8 @@ def resume_point(run_dir: Path, mode: str) -> Path | None:
     checkpoints in this run dir are removed, so that pruning and a later resume see this run's
     only."""
     path = latest(run_dir) if mode in ("auto", "force") else None
+    if path is None and mode in ("auto", "force") and unusable(run_dir):
+        raise CheckpointError(resume_problem(run_dir, mode, {}) or "no intact checkpoint")
     if path is None:
         if is_main():
             shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
@@ -141,6 +214,9 @@ def save(
             torch.save({**trainer, "world_size": world_size()}, tmp / "trainer.pt")
             if config is not None:
                 (tmp / CONFIG_FILE).write_text(json.dumps(config, default=str))
+        barrier()  # every rank's files are in place before rank 0 lists them
+        if is_main():
+            write_manifest(tmp)
     # a full disk, a quota, a file-size limit (torch.save reports a failed write as a
     # RuntimeError from its zip writer)
     except (OSError, RuntimeError) as err:
@@ -172,7 +248,7 @@ def save(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in sorted(p for p in root.iterdir() if _NAME.match(p.name))[:-keep]:
+        for old in _step_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     log.info("checkpoint: step %d -> %s", step, final)
@@ -233,6 +309,12 @@ def resume_problem(
     """Why ``resume=auto`` must not continue from ``run_dir``'s newest checkpoint (None: it
     may, or there is none): it was made under another config (``unread``: sections the step
     does not read, as in config_differences)."""
+    if mode in ("auto", "force") and (broken := unusable(run_dir)):
+        names = ", ".join(p.name for p in broken)
+        return (
+            f"resume={mode}: no intact checkpoint in {checkpoint_dir(run_dir)} ({names}: "
+            f"{integrity_problem(broken[-1])}); resume=never starts over (deleting them)"
+        )
     path = latest(run_dir) if mode == "auto" else None
     saved = saved_config(path) if path is not None else None
     differences = config_differences(saved, current, unread) if saved is not None else []
@@ -250,7 +332,10 @@ def resume_problem(
 
 def load(path: Path, engines: dict[str, Any]) -> dict[str, Any]:
     """Restore the engines and this rank's RNG; return the trainer state."""
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    try:
+        trainer = torch.load(path / "trainer.pt", weights_only=True)
+    except (OSError, RuntimeError) as err:  # damaged after its manifest was checked
+        raise CheckpointError(f"{path / 'trainer.pt'}: unreadable ({err})") from None
     if trainer["world_size"] != world_size():
         raise CheckpointError(
             f"{path} was written by {trainer['world_size']} rank(s); resume it "
