@@ -11,7 +11,10 @@ import gc
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -87,12 +90,12 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         _check_before_writing(config, steps, info_dir, shared)
     except ConfigError as err:
         _fail(err)
-    _save_hydra_files(cfg)
     for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
         log.warning(line)
     group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None
     name = hydra_cfg.job.override_dirname or "default"
-    return run_step(config, info_dir, name, group, _resolved(cfg), steps, shared)
+    record = partial(_save_hydra_files, cfg)
+    return run_step(config, info_dir, name, group, _resolved(cfg), steps, shared, record)
 
 
 def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Config, dict]:
@@ -164,9 +167,11 @@ def run_step(
     resolved: dict,
     steps: dict | None = None,
     shared: dict | None = None,
+    record: Callable[[], None] = lambda: None,
 ) -> float | None:
     """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``,
-    ``shared`` those that run in pipeline.share_dir)."""
+    ``shared`` those that run in pipeline.share_dir) holding ``run_dir``'s lock; ``record``
+    writes the run's record once the lock is held (a refused run overwrites nothing)."""
     from rlhf import checkpoint, dist, engine
     from rlhf.steps import all as pipeline
     from rlhf.steps.loop import RunInfo, TrainingStopped
@@ -180,10 +185,12 @@ def run_step(
         dist.init_distributed(device)  # torn down at exit
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
-        if steps is not None:
-            summary = pipeline.run(steps, info, shared)
-        else:
-            summary = pipeline.run_one(config.step.name, config, info)
+        with _sole_run(run_dir, config):
+            record()
+            if steps is not None:
+                summary = pipeline.run(steps, info, shared)
+            else:
+                summary = pipeline.run_one(config.step.name, config, info)
     except ConfigError as err:
         _fail(err)  # every rank sees the same config, so every rank fails alike
     except TrainingStopped as stopped:
@@ -194,6 +201,26 @@ def run_step(
         raise
     gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
+
+
+RUN_LOCK = ".run.lock"  # in the run dir, held by a run's rank 0 from start to end
+
+
+@contextmanager
+def _sole_run(run_dir: Path, config: Config) -> Iterator[None]:
+    """One run at a time in a run dir: a second one would resume from, prune and overwrite the
+    first's checkpoints and exports under its own config."""
+    from rlhf import dist
+
+    try:
+        with dist.sole_user(run_dir / RUN_LOCK):
+            yield
+    except dist.DirInUse as held:
+        key = "run_dir" if config.run_dir else "hydra.run.dir"
+        raise ConfigError(
+            f"{key}={run_dir}: another run is using it ({held}); wait for it to end or choose "
+            f"another {key}"
+        ) from None
 
 
 def _dirs_every_rank_reads(config: Config, run_dir: Path) -> dict[str, Path]:

@@ -238,6 +238,27 @@ def test_a_run_killed_before_its_first_checkpoint_starts_fresh(references, cache
 
 
 @pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_newest_intact_one(
+    references, cache_dir, tmp_path
+):
+    """Killed at step 9 (checkpoints 4 and 8), checkpoint 8's trainer.pt truncated: resume=auto
+    warns that it skips 8, resumes from 4 and ends with the uninterrupted run's rows."""
+    reference = references("sft")
+    run_dir = tmp_path / "run"
+    _kill_at(STEPS["sft"], run_dir, cache_dir, 9)
+    assert _checkpoints(run_dir) == ["step-00000004", "step-00000008"]
+    damaged = run_dir / "checkpoints" / "step-00000008" / "trainer.pt"
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as f:
+        f.truncate(size // 2)
+    _run(STEPS["sft"], run_dir, cache_dir)
+    log = (run_dir / "__main__.log").read_text()
+    assert f"step-00000008 skipped: trainer.pt has {size // 2} bytes, {size} written" in log
+    assert re.search(r"resumed from \S+step-00000004 \(step 4\)", log)
+    _assert_same_run(run_dir, reference, "sft")
+
+
+@pytest.mark.slow
 def test_resume_never_starts_over(references, cache_dir, tmp_path):
     """resume=never in the run dir of a finished run: the new run's rows are not appended to the
     old run's, and its checkpoints are not pruned in favour of the old run's (later-numbered)
