@@ -146,3 +146,33 @@ def test_a_short_step_all_ends_with_its_report(tmp_path, cache_dir):
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.startswith("Assistant:"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["plain-run", "run with spaces", "exécution àccentuée", "a,b=c's [x] $HOME"]
+)
+def test_next_commands_paste_back_to_the_paths(tmp_path, name):
+    """Each command, split as a shell splits it (and its overrides parsed as Hydra parses
+    them), names the very directories of the run, whatever characters they hold."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    run_dir = tmp_path / name
+    cases = {
+        "sft": [run_dir / "model"],
+        "reward": [run_dir / "model"],
+        "ppo": [run_dir / "actor", run_dir / "critic"],
+    }
+    parser = OverridesParser.create()
+    for step, exports in cases.items():
+        for command, _ in report.next_commands(step, run_dir, exports):
+            words = shlex.split(command)
+            if words[:3] == ["python", "-m", "rlhf.chat"]:
+                assert words[3:] == ["--path", str(exports[0])]
+            elif words[:3] == ["python", "-m", "rlhf.compare"]:
+                assert words[3:] == [str(run_dir), "OTHER_RUN"]
+            else:
+                overrides = {o.key_or_group: o.value() for o in parser.parse_overrides(words[3:])}
+                key = "model.path" if step == "sft" else "critic.model.path"
+                assert overrides[key] == str(exports[0]), command

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -186,22 +188,23 @@ def pipeline_report(
     commands = next_commands(last, step_dirs[last], final)
     commands = [c for c in commands if "rlhf.compare" not in c[0]]
     commands.append(
-        (f"python -m rlhf.compare {_path(run_dir)} OTHER_RUN", "compare with another run")
+        (f"python -m rlhf.compare {_arg(run_dir)} OTHER_RUN", "compare with another run")
     )
     lines += _next_lines(commands)
     return "\n".join(lines)
 
 
 def next_commands(step: str, run_dir: Path, exports: list[Path]) -> list[tuple[str, str]]:
-    """(command, what it does) to run after ``step``."""
-    names = {p.name: _path(p) for p in exports}
+    """(command, what it does) to run after ``step``, quoted for the shell (and for Hydra's
+    override grammar) so that they paste whatever the paths hold."""
+    names = {p.name: p for p in exports}
     out = []
     if step in ("sft", "dpo") and "model" in names:
-        out.append((f"python -m rlhf.chat --path {names['model']}", "talk to the model"))
+        out.append((f"python -m rlhf.chat --path {_arg(names['model'])}", "talk to the model"))
     if step == "sft" and "model" in names:
         out.append(
             (
-                f"python -m rlhf step=reward model.path={names['model']}",
+                f"python -m rlhf step=reward {_override('model.path', names['model'])}",
                 "train a reward model from it (or step=dpo model.path=...)",
             )
         )
@@ -209,14 +212,31 @@ def next_commands(step: str, run_dir: Path, exports: list[Path]) -> list[tuple[s
         out.append(
             (
                 f"python -m rlhf step=ppo actor.model.path=SFT_RUN/model "
-                f"critic.model.path={names['model']}",
+                f"{_override('critic.model.path', names['model'])}",
                 "PPO against this reward model",
             )
         )
     if step == "ppo" and "actor" in names:
-        out.append((f"python -m rlhf.chat --path {names['actor']}", "talk to the trained actor"))
-    out.append((f"python -m rlhf.compare {_path(run_dir)} OTHER_RUN", "compare with another run"))
+        actor = _arg(names["actor"])
+        out.append((f"python -m rlhf.chat --path {actor}", "talk to the trained actor"))
+    out.append((f"python -m rlhf.compare {_arg(run_dir)} OTHER_RUN", "compare with another run"))
     return out
+
+
+def _arg(path: Path) -> str:
+    return shlex.quote(_path(path))
+
+
+# what Hydra reads in an override's value without quotes (others: a sweep's comma, brackets...)
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9_./~+-]+")
+
+
+def _override(key: str, path: Path) -> str:
+    """``key=path`` as one shell word that Hydra parses back to ``path``."""
+    value = _path(path)
+    if not _PLAIN_VALUE.fullmatch(value):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shlex.quote(f"{key}={value}")
 
 
 def write(run_dir: Path, text: str) -> None:
