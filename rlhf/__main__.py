@@ -60,7 +60,11 @@ def main() -> None:
     _share_run_time()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     register_configs()
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:  # a sweep's Ctrl-C: its launcher has stopped and recorded the job
+        print("rlhf: interrupted; the same command resumes each job", file=sys.stderr)
+        sys.exit(130)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
