@@ -55,14 +55,15 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 CAUSAL = "causal"  # loaded with AutoModelForCausalLM: must not be a reward model
-VALUE = "value"  # loaded as a reward model / critic: a causal LM gets a new head, fine
+VALUE = "value"  # loaded as a critic: a causal LM gets a new value head, fine
+REWARD = "reward"  # scores answers: a causal LM's new head would score at random
 
 
 @dataclass(frozen=True)
 class ModelToCheck:
     key: str  # the config key of the path, e.g. "actor.model.path"
     path: str
-    kind: str  # CAUSAL | VALUE
+    kind: str  # CAUSAL | VALUE | REWARD
     model: ModelConfig | None  # tokenizer, trust_remote_code; None: no tokenizer check
     need: str = ""  # CAUSAL: what the step needs instead of a reward model, for messages
 
@@ -93,11 +94,15 @@ def models_to_check(config: Config) -> list[ModelToCheck]:
             "the reward model goes in critic.model.path"
         )
         out.append(ModelToCheck("actor.model.path", actor.path, CAUSAL, actor, need))
-        out.append(ModelToCheck("critic.model.path", critic.path, VALUE, critic))
         twins = (config.actor.twin_path, config.critic.twin_path)
+        # the critic's frozen twin is the reward model, unless a rule scores the answers
+        scores = config.ppo.reward_function is None
+        reward_kind = REWARD if scores and twins[1] is None else VALUE
+        out.append(ModelToCheck("critic.model.path", critic.path, reward_kind, critic))
         need = "the actor's reference is a causal LM, the SFT export (RUN/sft/model)"
         out.append(ModelToCheck("actor.twin_path", twins[0], CAUSAL, actor, need))
-        out.append(ModelToCheck("critic.twin_path", twins[1], VALUE, critic))
+        twin_kind = REWARD if scores else VALUE
+        out.append(ModelToCheck("critic.twin_path", twins[1], twin_kind, critic))
     out = [m for m in out if m.path is not None]
     return [m for m in out if os.path.isdir(os.path.expanduser(m.path))]
 
@@ -125,9 +130,12 @@ def missing_config_problem(key: str, path: str) -> str:
 
 
 def architecture_problem(check: ModelToCheck, config_json: dict[str, Any]) -> str | None:
-    """A reward-model export (``*ForSequenceClassification``) where a causal LM is loaded."""
+    """A reward-model export (``*ForSequenceClassification``) where a causal LM is loaded, or
+    a causal LM where the reward model is (a new head's scores would be noise)."""
+    if check.kind == REWARD:
+        return causal_lm_as_reward_problem(check, config_json)
     if check.kind != CAUSAL:
-        return None  # a reward model, or a causal LM that gets a new value head
+        return None  # a causal LM that gets a new value head
     heads = [
         a for a in config_json.get("architectures") or [] if a.endswith("ForSequenceClassification")
     ]
@@ -136,6 +144,17 @@ def architecture_problem(check: ModelToCheck, config_json: dict[str, Any]) -> st
     return (
         f"{check.key}={check.path}: a reward model ({heads[0]} in its config.json), not a "
         f"causal LM; {check.need}"
+    )
+
+
+def causal_lm_as_reward_problem(check: ModelToCheck, config_json: dict[str, Any]) -> str | None:
+    architectures = config_json.get("architectures") or []
+    if not architectures or not all(a.endswith("ForCausalLM") for a in architectures):
+        return None
+    return (
+        f"{check.key}={check.path}: a causal LM ({architectures[0]} in its config.json), not a "
+        "reward model; PPO scores answers with it: give the reward step's export "
+        "(RUN/reward/model), or set ppo.reward_function for a rule-based reward"
     )
 
 

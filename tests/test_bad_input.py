@@ -257,6 +257,16 @@ MODELS = [
         ["actor.model.path={reward}", "OPTForSequenceClassification", "critic.model.path"],
     ),
     (
+        "sft-export-as-reward-model",
+        ["step=ppo", "actor.model.path={sft}", "critic.model.path={sft}"],
+        ["critic.model.path={sft}", "a causal LM (OPTForCausalLM", "not a reward model"],
+    ),
+    (
+        "sft-export-as-reward-twin",
+        ["step=ppo", "actor.model.path={sft}", "critic.model.path={sft}", "critic.twin_path={sft}"],
+        ["critic.twin_path={sft}", "a causal LM (OPTForCausalLM", "ppo.reward_function"],
+    ),
+    (
         "reward-model-as-sft-base",
         ["step=sft", "model.path={reward}"],
         ["model.path={reward}", "OPTForSequenceClassification", "causal LM"],
@@ -286,7 +296,7 @@ MODELS = [
         [
             "step=ppo",
             "actor.model.path={sft}",
-            "critic.model.path={sft}",
+            "critic.model.path={reward}",
             "ppo.per_device_training_batch_size=3",
         ],
         ["ppo.per_device_training_batch_size=3", "(32)"],
@@ -320,10 +330,15 @@ def test_preflight_accepts_matching_models(model_dirs):
     cfg = Config()
     cfg.step.name = "ppo"
     cfg.actor.model.path = str(model_dirs["sft"])
-    cfg.critic.model.path = str(model_dirs["sft"])  # a causal LM as critic: it gets a new head
-    assert preflight.model_problems(cfg) == []
     cfg.critic.model.path = str(model_dirs["reward"])
     assert preflight.model_problems(cfg) == []
+    cfg.critic.model.path = str(model_dirs["sft"])  # a causal LM as critic: it gets a new head
+    cfg.critic.twin_path = str(model_dirs["reward"])  # ...and the reward model scores
+    assert preflight.model_problems(cfg) == []
+    cfg.critic.twin_path = None
+    cfg.ppo.reward_function = "toy_gold"  # ...or a rule scores
+    assert preflight.model_problems(cfg) == []
+    cfg.ppo.reward_function, cfg.critic.model.path = None, str(model_dirs["reward"])
     cfg.actor.model.path = "facebook/opt-125m"  # hub ids are not checked offline
     assert preflight.model_problems(cfg) == []
 
@@ -523,6 +538,9 @@ def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
     step = run_dir / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
     (step / "config.json").write_text(json.dumps(made_under))
+    from rlhf.checkpoint import write_manifest
+
+    write_manifest(step)  # as a checkpoint's last file
     (run_dir / ".hydra").mkdir()
     (run_dir / ".hydra" / "config.yaml").write_text("the other run's config\n")
     return step
@@ -719,7 +737,7 @@ OFFLINE = {**NO_TRACE, "HF_HUB_OFFLINE": "1"}
     ("overrides", "message"),
     [
         (
-            ["step=ppo", "actor.model.path=mysft/model", "critic.model.path={sft}"],
+            ["step=ppo", "actor.model.path=mysft/model", "critic.model.path={reward}"],
             "error: actor.model.path='mysft/model': not a local directory, and the hub is not "
             "reachable (offline)",
         ),
@@ -846,6 +864,7 @@ def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
     previous = tmp_path / "checkpoints" / "step-00000001"
     previous.mkdir(parents=True)
     (previous / "trainer.pt").write_bytes(b"x" * 5000)
+    checkpoint.write_manifest(previous)
 
     def short_write(*args, **kwargs):  # what torch's zip writer raises on a full disk
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
@@ -856,7 +875,8 @@ def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
         checkpoint.save(tmp_path, 2, {}, {}, keep=2)
     message = str(err.value)
     assert "no space left on device at " in message and "unexpected pos" not in message
-    assert "(12.0 KB free; about 5.0 KB needed)" in message
+    needed = files.human_size(files.dir_size(previous))  # its trainer.pt and manifest
+    assert f"(12.0 KB free; about {needed} needed)" in message
     assert f"the previous checkpoint {previous} is intact" in message
     assert not (tmp_path / "checkpoints" / ".tmp-step-00000002").exists()
 
