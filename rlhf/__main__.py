@@ -54,6 +54,7 @@ def main() -> None:
         return
     _adopt_slurm_ranks()
     _accept_local_rank_flag()
+    _end_with_launcher()
     _refuse_unknown_keys(sys.argv[1:])
     _preflight(sys.argv[1:])
     _show_config_as_run()
@@ -385,6 +386,14 @@ def _config_groups(config_dir: str | None) -> set[str]:
 
     dirs = [Path(CONF_DIR), *([Path(config_dir)] if config_dir else [])]
     return {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()}
+
+
+def _end_with_launcher() -> None:
+    if "LOCAL_RANK" not in os.environ:  # not a rank of torchrun or the deepspeed launcher
+        return
+    from rlhf import dist
+
+    dist.end_with_launcher()
 
 
 def _adopt_slurm_ranks() -> None:

@@ -133,6 +133,24 @@ def mark_crashed() -> None:
     _crashed = True
 
 
+def end_with_launcher(poll_s: float = 2.0) -> None:
+    """A rank that torchrun (or the deepspeed launcher) started in its own session outlives a
+    launcher killed with its process group, and would train on alone: once the launcher is
+    gone (this process re-parented), SIGTERM it, which checkpoints and stops as any SIGTERM."""
+    import signal
+    import threading
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        log.warning("the launcher (pid %d) is gone: stopping this rank", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def teardown() -> None:
     """Barrier then destroy, so no rank exits while another still talks to it (gloo aborts).
     Runs at exit, not after each job: Hydra's in-process multirun reuses the process group."""
