@@ -569,6 +569,9 @@ def test_launch_refuses_lora_dropout_and_a_reward_model_with_another_end_token(t
     actor = tiny_model_dir(ModelConfig(), str(tmp_path / "cache"))
     critic = tmp_path / "reward"
     shutil.copytree(actor, critic)
+    config = json.loads((critic / "config.json").read_text())  # as a reward export names itself
+    config["architectures"] = ["OPTForSequenceClassification"]
+    (critic / "config.json").write_text(json.dumps(config))
     stats = {"mean": 0.0, "std": 1.0, "score_position": "last", "end_of_text_id": 5}
     (critic / "reward_stats.json").write_text(json.dumps(stats))
 
