@@ -411,12 +411,10 @@ class RewardConfig:
         return out
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GENERATION_CACHES = ("dynamic", "static")
 
 
 ROLLOUT_ENGINES = ("hf", "vllm")
-ROLLOUT_CORRECTIONS = ("none", "tis", "mask_token", "mask_sequence")  # rlhf.algos'
 
 
 @dataclass
@@ -540,7 +538,8 @@ class PPOConfig:
     # no dropout); false: a second actor forward over the rollout, as DeepSpeed-Chat does.
     # null: true in fp32, false in bf16 / fp16, whose KV-cached decoding computes other logits
     # than the update's forward (the first ratio is not 1, the KL gets a floor); always false
-    # with actor.hybrid_engine, whose inference kernels differ too, and with kl_estimator=full
+    # with actor.hybrid_engine, whose inference kernels differ too, and with a KL estimator that
+    # reads the logits (kl_estimator=full)
     rollout_logprobs: bool | None = None
     # PPO iterations between measurements of the sampler / trainer log-prob gap
     # (ppo/logprob_diff_mean, ppo/logprob_diff_max: |sampled - training forward's| per answer
@@ -556,10 +555,9 @@ class PPOConfig:
     rollout_engine: str = "hf"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vLLM engine's bounds
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # episode bounds
-    # the sampler / trainer mismatch correction of the policy-gradient loss: tis (each token's
-    # loss weighted by min(pi_trainer / pi_sampler, tis_cap)) | mask_token / mask_sequence
-    # (tokens / answers whose ratio leaves correction_band are left out) | none. null: tis with
-    # rollout_engine=vllm, none with hf (whose sampler is the trainer)
+    # the sampler / trainer mismatch correction of the policy-gradient loss, by name (an entry
+    # of rlhf.registry.CORRECTIONS), with tis_cap and correction_band as its bounds. null: tis
+    # with rollout_engine=vllm, none with hf (whose sampler is the trainer)
     rollout_correction: str | None = None
     tis_cap: float = 2.0  # tis's truncation C
     correction_band: list[float] = field(default_factory=lambda: [0.5, 2.0])  # masking's band
@@ -574,10 +572,10 @@ class PPOConfig:
     # the habits go, in both batch settings; with 4 PPO epochs x 2 generation batches, 0.2 loses
     # 3-5 points of it and 0.1 more
     kl_coef: float = 0.3
-    # k1 (log-ratio) | k2 (half its square) | k3 (Schulman's, >= 0, capped at 10): estimates from
-    # the answer's tokens, unbiased only if they were sampled; full: the exact KL over the
-    # vocabulary at each answer position. Greedy rollouts bias the estimates upwards (argmax
-    # tokens): there full with kl_in_loss=true holds the policy (docs/ppo.md, item 8)
+    # the per-token KL to the reference, by name (an entry of rlhf.registry.KL_ESTIMATORS):
+    # k1, k2, k3 read the answer's tokens, unbiased only if they were sampled; full reads both
+    # models' logits. Greedy rollouts bias the estimates upwards (argmax tokens):
+    # there full with kl_in_loss=true holds the policy (docs/ppo.md, item 8)
     kl_estimator: str = "k1"
     # false: -kl_coef x KL per token in the reward (PPO, REINFORCE++); true: kl_coef x KL
     # (kl_estimator, GRPO's is k3; full: its gradient reaches every token of each position's
@@ -602,11 +600,9 @@ class PPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # what an answer of max_new_tokens tokens loses
     # -- advantages
-    # gae: PPO's critic and GAE | grpo: group-normalised score | rloo: the mean score of the
-    # prompt's other answers as baseline | reinforce_pp: REINFORCE++, returns whitened over the
-    # batch | reinforce_pp_baseline: the group's mean score as baseline, then REINFORCE++ |
-    # remax: the greedy answer's score as baseline | any name registered in rlhf/registry.py.
-    # All but gae load and train no critic (critic.* then only names the reward model)
+    # how each answer token's advantage is computed, by name (an entry of
+    # rlhf.registry.ESTIMATORS; docs/adding_an_algorithm.md adds one). Only an estimator with a
+    # critic (gae) loads and trains one; with the others critic.* only names the reward model
     advantage_estimator: str = "gae"
     gamma: float = 1.0  # discount (gae, reinforce_pp)
     lam: float = 0.95  # GAE's lambda
@@ -623,9 +619,7 @@ class PPOConfig:
     # batch is filled with equal-score groups (ppo/groups_padded)
     dynamic_sampling_rounds: int = 4
     # -- losses
-    # the actor's loss: ppo (the clipped surrogate of each token's ratio) | gspo (of each
-    # answer's length-normalised sequence ratio) | cispo (the clipped ratio as a detached
-    # weight on the log-prob) | any name registered in rlhf/registry.py
+    # the actor's loss, by name (an entry of rlhf.registry.POLICY_LOSSES)
     policy_loss: str = "ppo"
     clip_range: float = 0.2  # PPO's ratio clip epsilon
     # the ratio's clip below 1 (1 - this; 1: no lower bound); null: clip_range
@@ -701,17 +695,6 @@ class PPOConfig:
                     f"x generation_batches x num_samples_per_prompt ({rollout})",
                 )
             )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            out.append(("kl_estimator", self.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
-        elif self.kl_estimator == "full" and self.rollout_logprobs:
-            out.append(
-                (
-                    "rollout_logprobs",
-                    True,
-                    "null or false with kl_estimator=full (it needs the "
-                    "actor's distributions, which the sampler does not keep)",
-                )
-            )
         if self.drop_finished_rows and (not self.stop_at_eos or self.generation_cache != "dynamic"):
             out.append(
                 (
@@ -781,15 +764,7 @@ class PPOConfig:
         """The rollout engine and its correction."""
         if self.rollout_engine not in ROLLOUT_ENGINES:
             return [("rollout_engine", self.rollout_engine, f"one of {', '.join(ROLLOUT_ENGINES)}")]
-        out = []
-        if self.correction not in ROLLOUT_CORRECTIONS:
-            out.append(
-                (
-                    "rollout_correction",
-                    self.rollout_correction,
-                    f"null or one of {', '.join(ROLLOUT_CORRECTIONS)}",
-                )
-            )
+        out = []  # the correction's name is rlhf.registry's to check
         if self.tis_cap < 1.0:
             out.append(("tis_cap", self.tis_cap, "a float >= 1"))
         low, high = [*self.correction_band, 0.0, 0.0][:2]

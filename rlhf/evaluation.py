@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf import algos, tasks
+from rlhf import tasks
+from rlhf.algos.logits import causal_lm_nll_sum, sequence_logprobs
+from rlhf.algos.preference import PREFERENCE_LOSSES, sequence_scores
+from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config, ConfigError, DPOConfig
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
 from rlhf.data.pipeline import TASK
@@ -136,7 +139,7 @@ class SFTEvaluator:
                 attention_mask=batch["attention_mask"].to(device),
                 use_cache=False,
             ).logits
-            nll += algos.causal_lm_nll_sum(logits.float(), batch["labels"].to(device)).item()
+            nll += causal_lm_nll_sum(logits.float(), batch["labels"].to(device)).item()
             targets += count_targets(batch["labels"])
         nll, targets = all_reduce_sum(nll, targets)
         loss = nll / max(targets, 1)
@@ -176,7 +179,7 @@ class PairEvaluator:
             batch = pair_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id)
             values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
             scores = (
-                algos.sequence_scores(
+                sequence_scores(
                     values,
                     batch["attention_mask"].to(device),
                     batch["response_mask"].to(device),
@@ -244,7 +247,7 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
         values = engine(rollout.sequences.to(device), rollout.attention_mask.to(device))
         full_response = torch.zeros_like(rollout.attention_mask, dtype=torch.bool)
         full_response[:, rollout.prompt_width :] = rollout.response_mask
-        batch_scores = algos.sequence_scores(
+        batch_scores = sequence_scores(
             values,
             rollout.attention_mask.to(device),
             full_response.to(device),
@@ -386,7 +389,7 @@ class PPOEvaluator:
         kl_mask = response_mask
         if ppo.short_answer_penalty is None:  # short answers carry no KL in training either
             kl_mask, _ = mask_short_answers(response_mask, ppo.min_response_tokens)
-        kl = algos.masked_sum(per_token, kl_mask, dim=1)
+        kl = masked_sum(per_token, kl_mask, dim=1)
         scores = reward_scores(
             models.reward, sequences, mask, rollout.prompt_width, response_mask, self.score_position
         )
@@ -462,7 +465,7 @@ def answer_logprobs(model, batch: dict, reduction: str, fp32: bool = False) -> t
         input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False
     ).logits
     response_mask = batch["response_mask"].to(device)
-    return algos.sequence_logprobs(
+    return sequence_logprobs(
         logits.float() if fp32 else logits, input_ids, response_mask, reduction
     )
 
@@ -474,9 +477,7 @@ def preference_terms(
     the reference's (None: a reference-free loss). Only ``loss`` carries gradients."""
     ratios = logprobs if ref_logprobs is None else logprobs - ref_logprobs
     chosen, rejected = ratios.chunk(2)
-    loss = algos.PREFERENCE_LOSSES[dpo.loss](
-        chosen, rejected, dpo.beta, dpo.label_smoothing, dpo.margin
-    )
+    loss = PREFERENCE_LOSSES[dpo.loss](chosen, rejected, dpo.beta, dpo.label_smoothing, dpo.margin)
     chosen_reward, rejected_reward = dpo.beta * chosen.detach(), dpo.beta * rejected.detach()
     chosen_logprob, rejected_logprob = logprobs.detach().chunk(2)
     return {
@@ -606,4 +607,4 @@ class DPOEvaluator:
             self.cfg.ppo.kl_estimator,
             temperature=temperature,
         )
-        return algos.masked_sum(per_token, rollout.response_mask.to(device), dim=1).cpu()
+        return masked_sum(per_token, rollout.response_mask.to(device), dim=1).cpu()

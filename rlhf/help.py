@@ -1,5 +1,6 @@
 """Every config key with its meaning, read from the schema itself (the comment on or above each
-field of :mod:`rlhf.config`), so the meaning is written once, where the default is.
+field of :mod:`rlhf.config`), so the meaning is written once, where the default is; the keys
+that name an algorithm list the names :mod:`rlhf.registry` holds, with each one's summary.
 
 ``python -m rlhf --help [overrides]`` prints the config groups and every key with its composed
 value and meaning; ``python -m rlhf.help > docs/config.md`` writes the reference (a test keeps it
@@ -23,7 +24,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf import config as schema
-from rlhf import preflight
+from rlhf import preflight, registry
 from rlhf.roles import pipeline_steps, share_command_line, step_values
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -71,6 +72,15 @@ def section_of(key: str) -> str:
     return key.split(".")[0] if "." in key else "(top level)"
 
 
+def registered(key: str) -> str:
+    """What ``key`` may name, read from the registry's table (so an entry registered anywhere
+    is listed with no other edit): ". Registered: name: summary; ...", or "" for other keys."""
+    entries = registry.listing().get(key)
+    if not entries:
+        return ""
+    return ". Registered: " + "; ".join(f"{name}: {text}" for name, text in entries.items())
+
+
 def reference(values: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(key, value, meaning) of every key, ``values`` being a composed (or default) config."""
     meanings = field_meanings()
@@ -83,7 +93,7 @@ def reference(values: dict[str, Any]) -> list[tuple[str, str, str]]:
             (meanings[(c.__name__, name)] for c in owner.__mro__ if (c.__name__, name) in meanings),
             "",
         )
-        rows.append((key, _show(value), meaning))
+        rows.append((key, _show(value), meaning + registered(key)))
     return rows
 
 

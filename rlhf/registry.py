@@ -1,11 +1,13 @@
-"""Every advantage estimator and policy loss of step 3, by name: the function and what the PPO
-loop must know of it. The loop, the models and the checks ask here; none of them branches on an
-algorithm's name (verl's ``register_adv_est`` / ``register_policy_loss``).
+"""Every advantage estimator, policy loss, KL estimator and rollout correction of step 3, by
+name: the function and what the PPO loop must know of it. The loop, the models, the checks and
+``--help`` ask here; none of them branches on an algorithm's name (verl's
+``register_adv_est`` / ``register_policy_loss``).
 
-Adding an algorithm is one registered function here (its math in :mod:`rlhf.algos` when it is
-more than a few lines, tested there) and one ``conf/algo/`` file that selects it and sets its
-keys: docs/algorithms.md walks through one. The names are checked against these tables before
-anything is built (:func:`problems`).
+Adding an algorithm is one function (its math in :mod:`rlhf.algos`, tested there) registered
+here, or from any module with ``@register_estimator(...)`` / ``@register_policy_loss(...)``, and
+one ``conf/algo/`` file that selects it and sets its keys: docs/adding_an_algorithm.md walks
+through one. The names are checked against these tables before anything is built
+(:func:`problems`).
 """
 
 from __future__ import annotations
@@ -13,45 +15,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import Tensor
 
-from rlhf import algos
+from rlhf.algos import correction, estimators, kl, policy
+from rlhf.algos.estimators import AdvantageInputs, AdvantageParams
+from rlhf.algos.kl import KLEstimator
+from rlhf.algos.reductions import LOSS_AGGREGATIONS
 from rlhf.config import PPOConfig
+
+__all__ = ["AdvantageInputs", "AdvantageParams", "KLEstimator"]  # an estimator's types
 
 # ---------------------------------------------------------------- advantage estimators
 
 
-class AdvantageInputs(NamedTuple):
-    """A generation batch as an estimator reads it; B rows, R answer columns. A group is
-    ``group_size`` contiguous rows answering one prompt; answers masked out of the losses
-    (response_mask all False) stay out of their group's statistics.
-
-    rewards: (B, R) -kl_coef x the per-token KL (none with ppo.kl_in_loss), plus the outcome at
-        each answer's last real token.
-    outcomes: (B,) what that last token received: the score, clipped, less its penalties.
-    values: (B, R) the critic's value of the state before each token (0 without a critic).
-    response_mask: (B, R) True on the tokens that count.
-    baselines: (B,) the outcome of a greedy answer to the row's prompt (estimators with
-        ``greedy_baseline``), else None.
-    """
-
-    rewards: Tensor
-    outcomes: Tensor
-    values: Tensor
-    response_mask: Tensor
-    baselines: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class AdvantageParams:
-    """The ppo.* keys an estimator may read."""
-
-    gamma: float = 1.0  # discount
-    lam: float = 0.95  # GAE's lambda
-    group_size: int = 1  # answers per prompt (ppo.num_samples_per_prompt)
-    std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+def summary(function: Callable) -> str:
+    """An entry's one-line summary: the first paragraph of its function's docstring."""
+    first = (function.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(first.split()).rstrip(".")
 
 
 Advantages = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor]]
@@ -75,7 +57,7 @@ class Estimator:
 
     @property
     def summary(self) -> str:
-        return (self.compute.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        return summary(self.compute)
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -94,71 +76,14 @@ def register_estimator(name: str, **spec: Any) -> Callable[[Advantages], Advanta
     return register
 
 
-def outcome_advantages(per_answer: Tensor, batch: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    advantages = algos.token_advantages(per_answer, batch.response_mask)
-    return advantages, advantages
-
-
-def answer_returns(batch: AdvantageInputs) -> Tensor:
-    """(B,) each answer's summed reward: its outcome less any KL penalty in the reward (what
-    DAPO's dynamic sampling compares too)."""
-    return algos.masked_sum(batch.rewards, batch.response_mask, dim=-1)
-
-
-@register_estimator("gae", needs_critic=True, whiten="optional")
-def gae(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """PPO's: generalised advantage estimation on the critic's values (Schulman et al. 2016);
-    the returns are the critic's targets."""
-    return algos.gae(batch.rewards, batch.values, batch.response_mask, params.gamma, params.lam)
-
-
-@register_estimator("grpo", group=True, aggregation="seq-mean-token-mean")
-def grpo(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """GRPO (Shao et al. 2024): each answer's return less its group's mean, over the group's std
-    (std_normalize=false: Dr. GRPO, the mean alone), on every token of the answer."""
-    valid = batch.response_mask.any(-1)
-    per_answer = algos.group_advantages(
-        answer_returns(batch), params.group_size, params.std_normalize, valid
-    )
-    return outcome_advantages(per_answer, batch)
-
-
-@register_estimator("rloo", group=True)
-def rloo(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """RLOO (Ahmadian et al. 2024): each answer's return less the mean return of the other
-    answers to its prompt, on every token of the answer."""
-    valid = batch.response_mask.any(-1)
-    per_answer = algos.rloo_advantages(answer_returns(batch), params.group_size, valid)
-    return outcome_advantages(per_answer, batch)
-
-
-@register_estimator("reinforce_pp", whiten="always")
-def reinforce_pp(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu 2025): the return-to-go of the per-token rewards (KL penalty and the
-    outcome), whitened over the whole batch of every rank as its baseline."""
-    returns = algos.discounted_returns(batch.rewards, batch.response_mask, params.gamma)
-    return returns, returns
-
-
-@register_estimator("reinforce_pp_baseline", group=True, whiten="always")
-def reinforce_pp_baseline(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """REINFORCE++-baseline (OpenRLHF's reinforce_baseline): each outcome less its prompt
-    group's mean outcome, then REINFORCE++: the return-to-go with the per-token KL penalty,
-    whitened over the batch."""
-    mask = batch.response_mask
-    centered = algos.group_advantages(batch.outcomes, params.group_size, False, mask.any(-1))
-    group_mean = batch.outcomes.float() - centered
-    rewards = batch.rewards - algos.at_last_token(group_mean.to(batch.rewards.dtype), mask)
-    returns = algos.discounted_returns(rewards, mask, params.gamma)
-    return returns, returns
-
-
-@register_estimator("remax", greedy_baseline=True)
-def remax(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
-    """ReMax (Li et al. 2023): the return-to-go less the outcome of a greedy answer to the same
-    prompt."""
-    advantages = algos.remax_advantages(batch.rewards, batch.baselines, batch.response_mask)
-    return advantages, advantages
+register_estimator("gae", needs_critic=True, whiten="optional")(estimators.gae)
+register_estimator("grpo", group=True, aggregation="seq-mean-token-mean")(estimators.grpo)
+register_estimator("rloo", group=True)(estimators.rloo)
+register_estimator("reinforce_pp", whiten="always")(estimators.reinforce_pp)
+register_estimator("reinforce_pp_baseline", group=True, whiten="always")(
+    estimators.reinforce_pp_baseline
+)
+register_estimator("remax", greedy_baseline=True)(estimators.remax)
 
 
 # ---------------------------------------------------------------- policy losses
@@ -180,7 +105,7 @@ class PolicyLoss:
 
     @property
     def summary(self) -> str:
-        return (self.compute.__doc__ or "").strip().split("\n\n")[0].split(".")[0]
+        return summary(self.compute)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -198,17 +123,48 @@ def register_policy_loss(name: str, **spec: Any) -> Callable[[TokenLoss], TokenL
     return register
 
 
-register_policy_loss("ppo")(algos.ppo_token_loss)
-register_policy_loss("gspo", aggregation="seq-mean-token-mean")(algos.gspo_token_loss)
-register_policy_loss("cispo", dual_clip=False)(algos.cispo_token_loss)
+register_policy_loss("ppo")(policy.ppo_token_loss)
+register_policy_loss("gspo", aggregation="seq-mean-token-mean")(policy.gspo_token_loss)
+register_policy_loss("cispo", dual_clip=False)(policy.cispo_token_loss)
+
+
+# ---------------------------------------------------------------- KL estimators
+
+# ppo.kl_estimator: rlhf.algos.kl's own table (its functions take an estimator's name, and the
+# math may not import the registry); registering here adds to it
+KL_ESTIMATORS: dict[str, KLEstimator] = kl.KL_ESTIMATORS
+
+
+def register_kl_estimator(
+    name: str, needs_logits: bool = False
+) -> Callable[[Callable[[Tensor, Tensor], Tensor]], Callable[[Tensor, Tensor], Tensor]]:
+    """Decorator: ``@register_kl_estimator("name")`` adds a per-token estimate (B, T) of the
+    policy's and the reference's (B, T) log-probs of the rollout's tokens; with
+    ``needs_logits=True``, of both models' (B, T, V) logits instead."""
+
+    def register(compute: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        if name in KL_ESTIMATORS:
+            raise ValueError(f"kl estimator {name!r} is registered twice")
+        KL_ESTIMATORS[name] = KLEstimator(name, compute, needs_logits)
+        return compute
+
+    return register
+
+
+def kl_needs_logits(name: str) -> bool:
+    """Whether the KL estimator ``name`` reads both models' (B, R, V) logits (full): the old
+    log-probs then come from the actor's forward, never the sampler's, and the update keeps the
+    reference's logits for the KL loss term."""
+    return KL_ESTIMATORS[name].needs_logits
 
 
 # ---------------------------------------------------------------- rollout corrections
 
 # ppo.rollout_correction: (old_logprobs, sampler_logprobs, response_mask, cap, band) -> (B, R)
-# token weights on the policy loss, the tokens kept, stats (rlhf.algos.rollout_correction)
+# token weights on the policy loss, the tokens kept, stats (rlhf.algos.correction's modes)
 CORRECTIONS: dict[str, Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]] = {
-    mode: partial(algos.rollout_correction, mode=mode) for mode in algos.ROLLOUT_CORRECTIONS
+    mode: partial(correction.rollout_correction, mode=mode)
+    for mode in correction.ROLLOUT_CORRECTIONS
 }
 
 
@@ -263,20 +219,60 @@ def clip_range(ppo: PPOConfig) -> tuple[float, float]:
     return low, high
 
 
+def listing() -> dict[str, dict[str, str]]:
+    """Each ppo.* key that names a registry entry -> {name: its one-line summary}, in the
+    order registered: ``--help`` and docs/config.md show them after the key's meaning."""
+    return {
+        "ppo.advantage_estimator": {n: e.summary for n, e in ESTIMATORS.items()},
+        "ppo.policy_loss": {n: loss.summary for n, loss in POLICY_LOSSES.items()},
+        "ppo.kl_estimator": {n: summary(e.compute) for n, e in KL_ESTIMATORS.items()},
+        "ppo.rollout_correction": {
+            n: summary(mode) for n, mode in correction.ROLLOUT_CORRECTIONS.items()
+        },
+    }
+
+
+# ---------------------------------------------------------------- the checks
+
+
 def problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
     """The ppo.* keys that name or depend on an algorithm: (key, value, accepted) for each that
-    does not fit the registry."""
+    does not fit the registry (validate runs these before anything is built)."""
+    return name_problems(ppo) or dependency_problems(ppo)
+
+
+def name_problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
+    """The names no table holds, each with the names it does."""
     out: list[tuple[str, Any, str]] = []
     name = ppo.advantage_estimator
     if name not in ESTIMATORS:
         out.append(("ppo.advantage_estimator", name, f"one of {', '.join(ESTIMATORS)}"))
     if ppo.policy_loss not in POLICY_LOSSES:
         out.append(("ppo.policy_loss", ppo.policy_loss, f"one of {', '.join(POLICY_LOSSES)}"))
-    if ppo.loss_aggregation is not None and ppo.loss_aggregation not in algos.LOSS_AGGREGATIONS:
-        accepted = f"null or one of {', '.join(algos.LOSS_AGGREGATIONS)}"
+    if ppo.loss_aggregation is not None and ppo.loss_aggregation not in LOSS_AGGREGATIONS:
+        accepted = f"null or one of {', '.join(LOSS_AGGREGATIONS)}"
         out.append(("ppo.loss_aggregation", ppo.loss_aggregation, accepted))
-    if out:
-        return out
+    if ppo.kl_estimator not in KL_ESTIMATORS:
+        out.append(("ppo.kl_estimator", ppo.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+    if ppo.correction not in CORRECTIONS:
+        accepted = f"null or one of {', '.join(CORRECTIONS)}"
+        out.append(("ppo.rollout_correction", ppo.rollout_correction, accepted))
+    return out
+
+
+def dependency_problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
+    """The keys that do not fit what the named entries need (names known)."""
+    out: list[tuple[str, Any, str]] = []
+    name = ppo.advantage_estimator
+    if kl_needs_logits(ppo.kl_estimator) and ppo.rollout_logprobs:
+        out.append(
+            (
+                "ppo.rollout_logprobs",
+                True,
+                f"null or false with kl_estimator={ppo.kl_estimator} (it needs the actor's "
+                "distributions, which the sampler does not keep)",
+            )
+        )
     spec, loss = ESTIMATORS[name], POLICY_LOSSES[ppo.policy_loss]
     groups = [n for n, e in ESTIMATORS.items() if e.group]
     if spec.group and ppo.num_samples_per_prompt < 2:

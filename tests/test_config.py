@@ -296,11 +296,21 @@ def test_bad_value_is_refused_naming_key_value_and_accepted(overrides, key, valu
     assert accepted in line
 
 
-def test_the_corrections_the_config_names_are_the_registrys():
+def test_the_names_the_checks_accept_are_the_registrys():
+    """One list of names per key: the registry's tables, read by the checks (no copy in the
+    schema to keep in step)."""
+    from rlhf import config as schema
     from rlhf import registry
-    from rlhf.config import ROLLOUT_CORRECTIONS
 
-    assert tuple(registry.CORRECTIONS) == ROLLOUT_CORRECTIONS
+    assert not hasattr(schema, "ROLLOUT_CORRECTIONS") and not hasattr(schema, "KL_ESTIMATORS")
+    for key, table, bad in [
+        ("ppo.rollout_correction", registry.CORRECTIONS, "icepop"),
+        ("ppo.kl_estimator", registry.KL_ESTIMATORS, "k4"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            validated(compose(["ppo.rollout_engine=vllm", f"{key}={bad}"]))
+        assert f"{key}='{bad}': expected " in str(err.value)
+        assert ", ".join(table) in str(err.value)
 
 
 def test_vllm_rollouts_where_vllm_is_missing_are_refused_before_any_model(monkeypatch):

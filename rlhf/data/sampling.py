@@ -6,8 +6,8 @@ A training epoch is a seeded permutation cut into global batches of
 batch m*w reads exactly the rows that w ranks with micro batch m read together. When rows are
 grouped by length, a micro step's rows are dealt to the ranks so that each holds about the same
 number of tokens (``balanced_deal``): a step lasts as long as its busiest rank. Losses are
-normalised by the global token count (see ``rlhf.algos.token_loss_scale``), which makes the
-update independent of rank count, micro batch and gradient accumulation.
+normalised by the global token count (see ``rlhf.algos.reductions.token_loss_scale``), which
+makes the update independent of rank count, micro batch and gradient accumulation.
 
 With ``optim.dynamic_batch`` a step's rows are cut into micro batches by a token budget instead
 of a row count (``budget_micro_batches``); every rank still runs the same number of them.

@@ -1,7 +1,7 @@
 """From a scored rollout to what the estimators read: the reward each answer's last token
 receives (the score clipped, its penalties, DAPO's overlong penalty) and the KL coefficient's
-controller; the estimators themselves are rlhf.registry's. Tensors in, tensors out; the math
-itself is rlhf.algos'."""
+controller; the estimators themselves are rlhf.algos.estimators', found by name in
+rlhf.registry. Tensors in, tensors out; the math itself is rlhf.algos'."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf import algos
+from rlhf.algos.advantages import overlong_penalty
+from rlhf.algos.estimators import AdvantageParams
+from rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from rlhf.config import Config, PPOConfig
-from rlhf.registry import AdvantageParams
 from rlhf.rl.models import max_new_tokens
 
 
@@ -81,8 +82,8 @@ def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> S
 def kl_controller(ppo: PPOConfig):
     """Ziegler et al.'s adaptive controller (ppo.adaptive_kl) or a fixed kl_coef."""
     if ppo.adaptive_kl:
-        return algos.AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-    return algos.FixedKLController(ppo.kl_coef)
+        return AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+    return FixedKLController(ppo.kl_coef)
 
 
 def outcome_rewards(
@@ -95,7 +96,7 @@ def outcome_rewards(
     """(B,) what each answer's last token receives: :func:`penalised_scores` plus DAPO's
     overlong penalty on its length. answer_mask: (B, R) the generated tokens (before masking)."""
     lengths = answer_mask.sum(-1)
-    overlong = algos.overlong_penalty(
+    overlong = overlong_penalty(
         lengths, shaping.max_new_tokens, shaping.overlong_buffer, shaping.overlong_penalty
     )
     return penalised_scores(scores, short, unterminated, shaping) + overlong.to(scores.device)

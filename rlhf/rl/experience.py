@@ -14,12 +14,16 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf import algos
+from rlhf.algos.advantages import varied_groups
+from rlhf.algos.kl import compute_rewards, per_token_kl
+from rlhf.algos.logits import logprobs_from_logits, truncated_logits
+from rlhf.algos.preference import sequence_scores
+from rlhf.algos.reductions import masked_sum, masked_whiten, whiten_moments
 from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks
 from rlhf.engine import model_device
-from rlhf.registry import ESTIMATORS, AdvantageInputs, rollout_correction
+from rlhf.registry import ESTIMATORS, AdvantageInputs, kl_needs_logits, rollout_correction
 from rlhf.rl.advantages import Shaping, outcome_rewards
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.generation import Rollout, Sampling
@@ -113,24 +117,24 @@ def response_logprobs(
         logits = logits / temperature
     tokens = sequences[:, start + 1 :]
     if truncation is None:
-        return algos.logprobs_from_logits(logits, tokens), logits
-    truncated = algos.truncated_logits(logits, *truncation, keep=tokens)
-    return algos.logprobs_from_logits(truncated, tokens), logits
+        return logprobs_from_logits(logits, tokens), logits
+    truncated = truncated_logits(logits, *truncation, keep=tokens)
+    return logprobs_from_logits(truncated, tokens), logits
 
 
 def answer_kl(
     actor, reference, sequences, attention_mask, start: int, estimator: str, **logprob_args
 ) -> torch.Tensor:
     """(B, R) KL(actor || reference) per answer token under ``estimator``: from the two models'
-    log-probs of the answer's tokens, or for "full" from their (B, R, V) logits (kept only
-    then). ``logprob_args``: :func:`response_logprobs`' fp32 / temperature / packing /
+    log-probs of the answer's tokens, or for one that reads the logits (full) from their
+    (B, R, V) logits (kept only then). ``logprob_args``: :func:`response_logprobs`' fp32 / temperature / packing /
     truncation."""
     logprobs, logits = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
-    logits = logits if estimator == "full" else None  # freed before the reference's forward
+    logits = logits if kl_needs_logits(estimator) else None  # freed before the reference's forward
     ref_logprobs, ref_logits = response_logprobs(
         reference, sequences, attention_mask, start, **logprob_args
     )
-    return algos.per_token_kl(logprobs.float(), ref_logprobs.float(), estimator, logits, ref_logits)
+    return per_token_kl(logprobs.float(), ref_logprobs.float(), estimator, logits, ref_logits)
 
 
 def sequence_values(
@@ -171,7 +175,7 @@ def reward_scores(
     full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
     full_response[:, prompt_width:] = response_mask
     values = sequence_values(reward_model, sequences, attention_mask, packing)
-    return algos.sequence_scores(values, attention_mask, full_response, score_position).float()
+    return sequence_scores(values, attention_mask, full_response, score_position).float()
 
 
 def mask_short_answers(
@@ -251,9 +255,9 @@ def _score(
         packing=packing,
         truncation=shaping.truncation,
     )
-    exact_kl = shaping.kl_estimator == "full"  # needs both models' (B, R, V) logits
+    exact_kl = kl_needs_logits(shaping.kl_estimator)  # both models' (B, R, V) logits
     old_logits = None
-    # the sampling pass computed them, but keeps no distributions for the "full" KL
+    # the sampling pass computed them, but keeps no distributions for an exact KL
     if rollout.logprobs is not None and not exact_kl:
         old_logprobs = rollout.logprobs.to(device)
     else:
@@ -264,7 +268,11 @@ def _score(
     ref_logprobs, ref_logits = response_logprobs(
         reference, sequences, attention_mask, start, **logprob_args
     )
-    token_kl = algos.full_kl(old_logits, ref_logits) if exact_kl else None
+    token_kl = None
+    if exact_kl:
+        token_kl = per_token_kl(
+            old_logprobs, ref_logprobs, shaping.kl_estimator, old_logits, ref_logits
+        )
     del old_logits, ref_logits
     if critic is not None:
         old_values = response_values(critic, sequences, attention_mask, start, packing).float()
@@ -273,7 +281,7 @@ def _score(
     scores = normalised_scores(reward_model, sequences, attention_mask, rollout, shaping, packing)
 
     outcomes = outcome_rewards(scores, short, unterminated, episode_tokens(rollout), shaping)
-    rewards, kl = algos.compute_rewards(
+    rewards, kl = compute_rewards(
         outcomes,
         old_logprobs.float(),
         ref_logprobs.float(),
@@ -334,16 +342,16 @@ def normalised_scores(
 def whiten_advantages(experiences: list[Experience]) -> list[Experience]:
     """Advantages to zero mean, unit variance over every real response token of all ranks: two
     passes in float64 (mean, then the squared deviations from it), the variance unbiased and
-    1e-8 inside the square root, as algos.masked_whiten takes them."""
+    1e-8 inside the square root, as masked_whiten takes them."""
     tokens = [e.advantages[e.response_mask].double() for e in experiences]
     total, count = all_reduce_sum(
         sum(t.sum().item() for t in tokens), sum(t.numel() for t in tokens)
     )
     mean = total / max(count, 1.0)
     (deviations,) = all_reduce_sum(sum(((t - mean) ** 2).sum().item() for t in tokens))
-    moments = algos.whiten_moments(total, count, deviations)
+    moments = whiten_moments(total, count, deviations)
     return [
-        e._replace(advantages=algos.masked_whiten(e.advantages, e.response_mask, moments=moments))
+        e._replace(advantages=masked_whiten(e.advantages, e.response_mask, moments=moments))
         for e in experiences
     ]
 
@@ -367,8 +375,8 @@ def keep_varied_groups(
     equal: list[Experience] = []
 
     def sort(e: Experience) -> None:
-        returns = algos.masked_sum(e.rewards, e.response_mask, dim=-1)  # what the groups compare
-        spread = algos.varied_groups(returns, group_size)
+        returns = masked_sum(e.rewards, e.response_mask, dim=-1)  # what the groups compare
+        spread = varied_groups(returns, group_size)
         rows = spread.repeat_interleave(group_size)
         varied.append(e.rows(rows.nonzero().squeeze(1)))
         equal.append(e.rows((~rows).nonzero().squeeze(1)))
@@ -402,10 +410,10 @@ def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
             [
                 float(keep.sum()),
                 e.scores[keep].sum().item(),
-                algos.masked_sum(e.kl, mask).item(),
+                masked_sum(e.kl, mask).item(),
                 mask.sum().item(),
                 float(e.short.sum()),
-                algos.masked_sum(e.advantages, e.response_mask).item(),
+                masked_sum(e.advantages, e.response_mask).item(),
                 e.response_mask.sum().item(),
                 float(e.unterminated.sum()) if e.unterminated is not None else 0.0,
                 float(len(e.short)),
@@ -483,8 +491,9 @@ def uses_rollout_logprobs(cfg: Config, dtype: str) -> bool:
     only (never from vLLM's, nor where top-k / top-p truncate the sampling). In bf16 / fp16 the KV-cached decoding computes other logits than the update's full
     forward, so the first ratio would not be 1 and the KL to the reference would get a floor.
     Never with the hybrid engine: its inference kernels compute other logits again. Never with
-    the "full" KL, which needs the actor's distributions, not only its tokens' log-probs."""
-    if cfg.actor.hybrid_engine or cfg.ppo.kl_estimator == "full":
+    a KL that reads the logits (full): it needs the actor's distributions, not only its tokens'
+    log-probs."""
+    if cfg.actor.hybrid_engine or kl_needs_logits(cfg.ppo.kl_estimator):
         return False
     # vLLM's kernels are not the trainer's; a top-k / top-p sampler records log-probs of the
     # full distribution, the update scores the truncated one

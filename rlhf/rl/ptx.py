@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from rlhf import algos, tasks
+from rlhf import tasks
+from rlhf.algos.logits import causal_lm_nll_sum
 from rlhf.config import Config
 from rlhf.data.collate import right_pad
 from rlhf.data.sources import source_task
@@ -61,7 +62,7 @@ class PTXBatches:
             use_cache=False,
         ).logits
         labels = torch.where(attention_mask.bool(), input_ids, -100).to(device)
-        return algos.causal_lm_nll_sum(logits, labels) / max(int((labels[:, 1:] != -100).sum()), 1)
+        return causal_lm_nll_sum(logits, labels) / max(int((labels[:, 1:] != -100).sum()), 1)
 
     def state_dict(self) -> dict[str, int]:
         return {"batches": self.batches}

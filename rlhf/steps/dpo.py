@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from rlhf import algos
+from rlhf.algos.preference import REFERENCE_FREE
 from rlhf.config import Config
 from rlhf.data.collate import pair_batch
 from rlhf.data.pipeline import phase_dataset
@@ -64,9 +64,9 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 2. the policy (trained) and the reference (frozen at the same ZeRO stage; none for simpo)
     engine, lm_config = trained_causal_lm(cfg, inputs, shape, steps)
     reference = None
-    if cfg.dpo.loss not in algos.REFERENCE_FREE and reference_is_base(cfg.lora):
+    if cfg.dpo.loss not in REFERENCE_FREE and reference_is_base(cfg.lora):
         reference = AdaptersOff(engine)  # no second copy: the base weights never train
-    elif cfg.dpo.loss not in algos.REFERENCE_FREE:
+    elif cfg.dpo.loss not in REFERENCE_FREE:
         reference = initialize_frozen(
             load_causal_lm(
                 cfg.model, inputs.path, tokenizer, inputs.dtype, attention=inputs.attention

@@ -329,7 +329,7 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
             "step, so rollouts use HF generate with synced_gpus",
             world_size(),
         )
-    if ppo.greedy and not (ppo.kl_estimator == "full" and ppo.kl_in_loss):
+    if ppo.greedy and not (registry.kl_needs_logits(ppo.kl_estimator) and ppo.kl_in_loss):
         log.warning(
             "ppo.greedy=true with ppo.kl_estimator=%s in the %s: greedy answers are each "
             "position's argmax, where a sampled-token estimate is biased upwards (tens of nats "

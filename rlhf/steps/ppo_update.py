@@ -10,7 +10,6 @@ import logging
 import torch
 
 from rlhf import algos, registry
-from rlhf.algos import token_loss_scale
 from rlhf.config import Config
 from rlhf.data.packing import pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
@@ -105,8 +104,8 @@ def train_step(
     global_targets, global_tokens, global_units = all_reduce_sum(
         local_targets, local_tokens, local_units
     )
-    scale = token_loss_scale(global_targets, world_size(), ppo.grad_accum)
-    actor_scale = token_loss_scale(global_units, world_size(), ppo.grad_accum)
+    scale = algos.token_loss_scale(global_targets, world_size(), ppo.grad_accum)
+    actor_scale = algos.token_loss_scale(global_units, world_size(), ppo.grad_accum)
     out = dict.fromkeys(
         (
             "actor_loss_sum",
@@ -215,7 +214,7 @@ def actor_loss(
     kl_term = torch.zeros(())
     if ppo.kl_in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
         ref_logits = None
-        if ppo.kl_estimator == "full":  # the reference's distributions, for this micro batch
+        if registry.kl_needs_logits(ppo.kl_estimator):  # the reference's, for this micro batch
             with torch.no_grad():
                 _, ref_logits = response_logprobs(
                     models.reference,

@@ -15,7 +15,13 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf import algos
+from rlhf.algos.preference import (
+    divergence_span_loss,
+    listwise_ranking_loss,
+    mse_reward_loss,
+    pairwise_ranking_loss,
+    sequence_scores,
+)
 from rlhf.config import SHARED_PROMPT_LOSSES, Config, ConfigError
 from rlhf.data.collate import pair_batch, ranked_batch
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
@@ -202,16 +208,16 @@ def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, tor
         batch["attention_mask"].to(device),
         batch["response_mask"].to(device),
     )
-    scores = algos.sequence_scores(values, attention_mask, response_mask, cfg.reward.score_position)
+    scores = sequence_scores(values, attention_mask, response_mask, cfg.reward.score_position)
     if cfg.reward.loss == "listwise":
         valid = batch["valid"].to(device)
-        return scores, algos.listwise_ranking_loss(scores.view(valid.shape), valid)
+        return scores, listwise_ranking_loss(scores.view(valid.shape), valid)
     chosen, rejected = scores.chunk(2)
     if cfg.reward.loss == "pairwise":
-        loss = algos.pairwise_ranking_loss(chosen, rejected, cfg.reward.margin)
+        loss = pairwise_ranking_loss(chosen, rejected, cfg.reward.margin)
     elif cfg.reward.loss == "mse":
         target_c, target_r = cfg.reward.mse_targets
-        loss = algos.mse_reward_loss(
+        loss = mse_reward_loss(
             scores,
             torch.cat([torch.full_like(chosen, target_c), torch.full_like(rejected, target_r)]),
         )
@@ -222,7 +228,7 @@ def scores_and_loss(engine, batch: dict, cfg: Config) -> tuple[torch.Tensor, tor
             values.chunk(2),
             attention_mask.chunk(2),
         )
-        loss = algos.divergence_span_loss(c_ids, r_ids, c_val, r_val, c_mask, r_mask)
+        loss = divergence_span_loss(c_ids, r_ids, c_val, r_val, c_mask, r_mask)
     return scores, loss
 
 

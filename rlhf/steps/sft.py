@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf.algos import causal_lm_nll_sum, token_loss_scale
+from rlhf.algos.logits import causal_lm_nll_sum
+from rlhf.algos.reductions import token_loss_scale
 from rlhf.config import Config
 from rlhf.data.collate import count_targets, rows_at, sft_batch
 from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
