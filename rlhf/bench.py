@@ -1,14 +1,12 @@
-"""``python -m rlhf.bench``: the entry point of :mod:`rlhf.tools.bench` (``reference``: of
-:mod:`rlhf.tools.reference_bench`, which runs on the bench's helpers)."""
+"""``python -m rlhf.bench`` moved to ``python -m benchmarks`` (the benchmarks are developer tools,
+not in the wheel): this module only says so, on stderr, and exits 2."""
 
 import sys
 
-from rlhf.tools.bench import main
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["reference"]:
-        from rlhf.tools.reference_bench import main as reference
-
-        reference(sys.argv[2:])
-    else:
-        main()
+    print(
+        "error: the benchmarks moved: run `python -m benchmarks ...` (same arguments) from the "
+        "root of a repository checkout",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)

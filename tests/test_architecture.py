@@ -23,8 +23,12 @@ LAYERS = (
     ("rlhf.validate", "rlhf.help", "rlhf.preflight"),
     ("rlhf.__main__",),
 )
-# Beside the pipeline: may import any of it, and nothing in the pipeline imports them.
+# Beside the pipeline: may import any of it, and nothing in the pipeline imports them. chat and
+# compare are the user's other commands; rlhf.tools holds the sweep summary and the launchers'
+# mechanics; rlhf.bench only says that the benchmarks moved to benchmarks/ (outside the package).
 TOOLS = ("rlhf.tools", "rlhf.bench", "rlhf.compare", "rlhf.chat")
+# What the wheel ships (pyproject.toml): none of it may import the benchmarks, which it does not
+WHEEL = (PACKAGE, PACKAGE.parent / "hydra_plugins")
 
 
 def module_name(path: Path) -> str:
@@ -107,6 +111,23 @@ def test_no_cycle():
     for name in sorted(edges):
         if name not in state:
             visit(name, [name])
+
+
+def test_nothing_in_the_wheel_imports_the_benchmarks():
+    """benchmarks/ (``python -m benchmarks``) stays in the checkout: an installed rlhf that
+    imported it would fail."""
+    found = []
+    for path in (p for root in WHEEL for p in root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            name = path.relative_to(PACKAGE.parent)
+            found += [f"{name} -> {t}" for t in targets if t.split(".")[0] == "benchmarks"]
+    assert found == []
 
 
 def test_the_checker_finds_what_it_is_for(tmp_path):

@@ -1,4 +1,4 @@
-"""``python -m rlhf.bench``: its workload, its arithmetic (rates without warm-up, model FLOPs,
+"""``python -m benchmarks``: its workload, its arithmetic (rates without warm-up, model FLOPs,
 ratios, targets) and, marked slow, one tiny end-to-end run. No timing is asserted."""
 
 import json
@@ -9,16 +9,17 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, OPTConfig
 
+from benchmarks import flops, runs, steps, trl_runs, workload
+from benchmarks.report import format_report, summarize
 from rlhf import ONEDNN_CACHES
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.data.sampling import EpochPlan
-from rlhf.tools import bench
 from tests.conftest import REPO
 
 
 def test_size_builds_opt_init_overrides():
-    size = bench.Size.parse("256x5")
-    assert size == bench.Size(256, 5)
+    size = workload.Size.parse("256x5")
+    assert size == workload.Size(256, 5)
     overrides = dict(o.split("=", 1) for o in size.overrides("actor.model", 256))
     assert overrides["actor.model.path"] == "null"
     assert overrides["actor.model.init.hidden_size"] == "256"
@@ -30,7 +31,7 @@ def test_size_builds_opt_init_overrides():
 
 def synthetic_lengths(tmp_path, lengths, rows=400, max_prompt=16, max_answer=12):
     path = tmp_path / "rows.jsonl"
-    bench.synthetic_rows(path, rows, max_prompt, max_answer, seed=1, lengths=lengths)
+    workload.synthetic_rows(path, rows, max_prompt, max_answer, seed=1, lengths=lengths)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     prompts = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]  # with BOS
@@ -75,10 +76,10 @@ def cumulative_rows(step_seconds, step_tokens, samples_per_step=8):
 
 def test_steady_rates_leave_out_the_first_step():
     rows = cumulative_rows([9.0, 2.0, 2.0, 2.0], [100, 300, 500, 700])
-    rates = bench.steady_rates(rows)
+    rates = runs.steady_rates(rows)
     assert rates["bench/samples_per_s"] == pytest.approx(8 / 2.0)
     assert rates["bench/tokens_per_s"] == pytest.approx(1500 / 6.0)
-    assert bench.steady_rates(rows[:1]) == {}
+    assert runs.steady_rates(rows[:1]) == {}
 
 
 def test_steady_rates_of_ppo_are_the_median_iteration_after_the_first():
@@ -89,7 +90,7 @@ def test_steady_rates_of_ppo_are_the_median_iteration_after_the_first():
         | {"ppo/kl": kl}
         for i, (s, n, kl) in enumerate([(9, 10, 0.0), (3, 20, 0.1), (5, 30, 0.2), (4, 60, 0.5)])
     ]
-    rates = bench.steady_rates(rows)
+    rates = runs.steady_rates(rows)
     assert rates == {"bench/s_per_iter": 4, "bench/response_length": 30, "bench/kl": 0.2}
 
 
@@ -108,17 +109,17 @@ def opt_config(hidden=64, layers=3, vocab=1280, ffn=256) -> OPTConfig:
 def test_matmul_params_count_every_linear_and_the_head_once():
     config = opt_config()
     per_layer = 4 * 64 * 64 + 2 * 64 * 256  # q, k, v, out; fc1, fc2
-    assert bench.matmul_params(config, scorer=False) == 3 * per_layer + 1280 * 64
+    assert flops.matmul_params(config, scorer=False) == 3 * per_layer + 1280 * 64
     config.num_labels = 1
-    assert bench.matmul_params(config, scorer=True) == 3 * per_layer + 64  # the score head
+    assert flops.matmul_params(config, scorer=True) == 3 * per_layer + 64  # the score head
 
 
 def test_train_flops_are_6n_plus_causal_attention():
     config, lengths = opt_config(), [10, 30]
-    n = bench.matmul_params(config, scorer=False)
+    n = flops.matmul_params(config, scorer=False)
     attention = 6 * 3 * 64 * (10**2 + 30**2)  # per row: 6 L d n^2
     expected = (6 * n * 40 + attention) / 40
-    assert bench.train_flops_per_token(config, lengths) == pytest.approx(expected)
+    assert flops.train_flops_per_token(config, lengths) == pytest.approx(expected)
 
 
 def results(fast, baseline, trl=None, key="samples_per_s", mem=(1.0, 1.0)):
@@ -138,7 +139,7 @@ def test_summary_takes_medians_ratios_mfu_and_checks_the_targets():
         "ppo": results([2.0, 2.2, 9.0], [3.6, 3.5, 3.4], key="s_per_iter"),
         "mfu": {"fast": [{"samples_per_s": 1.0, "tokens_per_s": 50.0, "peak_mem_gb": 2.0}]},
     }
-    report = bench.summarize(runs, {"sft": 1e6, "reward": 1e6, "ppo": None, "mfu": 2e7}, 2e9)
+    report = summarize(runs, {"sft": 1e6, "reward": 1e6, "ppo": None, "mfu": 2e7}, 2e9)
     table, ratios = report["table"], report["ratios"]
     assert table["sft"]["fast"]["samples_per_s"] == 11  # the median, not the mean
     # ratios pair the runs of each repeat: median of 10/5, 30/4, 11/6
@@ -156,7 +157,7 @@ def test_summary_takes_medians_ratios_mfu_and_checks_the_targets():
     assert verdict["ppo: s/iter vs baseline >= 1.5x"] is True
     assert verdict["reward: peak memory vs baseline <= 1.02"] is False
     assert verdict["mfu: SFT MFU >= 50%"] is True
-    text = bench.format_report(report)
+    text = format_report(report)
     assert "[MISS] reward: samples/s vs baseline >= 2.0x: 1.50" in text
     assert "sft: samples/s vs TRL: 1.57x" in text
 
@@ -164,10 +165,10 @@ def test_summary_takes_medians_ratios_mfu_and_checks_the_targets():
 @pytest.mark.parametrize(("micro", "ranks", "accum"), [(4, 1, 1), (2, 2, 3), (3, 1, 2)])
 def test_trl_reads_each_step_the_rows_the_rlhf_run_read(monkeypatch, micro, ranks, accum):
     rows = Dataset.from_list([{"prompt_ids": [2, i], "chosen_ids": [i]} for i in range(50)])
-    monkeypatch.setattr(bench, "phase_rows", lambda *_: (rows, None, 7))
+    monkeypatch.setattr(trl_runs, "phase_rows", lambda *_: (rows, None, 7))
     spec = {"kind": "sft", "run_dir": ".", "model": ".", "micro_batch": micro, "ranks": ranks}
     spec.update(grad_accum=accum, steps=5)
-    ordered, _ = bench.plan_rows(spec)
+    ordered, _ = trl_runs.plan_rows(spec)
     plan = EpochPlan(50, micro, ranks, accum, seed=7)
     ids = [r["chosen_ids"][0] for r in ordered]
     size = plan.global_batch_size
@@ -182,123 +183,140 @@ def test_trl_reads_each_step_the_rows_the_rlhf_run_read(monkeypatch, micro, rank
 
 
 def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
-    args = bench.parse_args(["--out", str(tmp_path), "--no-trl"])
-    modes = bench.section_modes("sft", args, "ACTOR", "CRITIC")
+    args = steps.parse_args(["--out", str(tmp_path), "--no-trl"])
+    modes = steps.section_modes("sft", args, "ACTOR", "CRITIC")
     assert set(modes) == {"fast", "baseline"}
     # the fast mode is rlhf's defaults: its fast paths are on where they apply
     assert set(modes["fast"]) - set(modes["baseline"]) == set()
     # transformers' default attention, as DeepSpeed-Chat's from_pretrained gets
     attention = "model.attn_implementation=sdpa"
     assert set(modes["baseline"]) - set(modes["fast"]) == {
-        *bench.BASELINE_PADDING,
+        *steps.BASELINE_PADDING,
         "sft.packing=false",
         attention,
     }
-    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
+    reward = steps.section_modes("reward", args, "ACTOR", "CRITIC")
     assert set(reward["fast"]) - set(reward["baseline"]) == set()
     assert "reward.share_prompt=false" in reward["baseline"]
-    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    ppo = steps.section_modes("ppo", args, "ACTOR", "CRITIC")
     assert set(ppo["fast"]) - set(ppo["baseline"]) == set()
     assert set(ppo["baseline"]) - set(ppo["fast"]) == {
-        *bench.PPO_BASELINE,
+        *steps.PPO_BASELINE,
         "actor.model.attn_implementation=sdpa",
         "critic.model.attn_implementation=sdpa",
     }
-    assert "ppo.stop_at_eos=false" in bench.PPO_BASELINE
+    assert "ppo.stop_at_eos=false" in steps.PPO_BASELINE
     assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]
-    with_trl = bench.parse_args(["--out", str(tmp_path)])
-    assert ("trl" in bench.section_modes("reward", with_trl, "A", "C")) == bool(bench.trl_version())
+    with_trl = steps.parse_args(["--out", str(tmp_path)])
+    assert ("trl" in steps.section_modes("reward", with_trl, "A", "C")) == bool(
+        trl_runs.trl_version()
+    )
+
+
+def test_python_m_benchmarks_runs_each_bench_and_the_old_command_says_where_it_went():
+    """The benches run from the checkout's root (they are not in the wheel); the old
+    ``python -m rlhf.bench`` answers one line on stderr naming the new command, and exits 2."""
+    for sub in ([], ["rollout"], ["reference"]):
+        command = [sys.executable, "-m", "benchmarks", *sub, "--help"]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: {' '.join(['python -m benchmarks', *sub])} [-h]")
+    command = [sys.executable, "-m", "rlhf.bench", "--sections", "sft"]
+    old = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (old.returncode, old.stdout) == (2, "")
+    [line] = old.stderr.splitlines()
+    assert "python -m benchmarks" in line
 
 
 def test_every_run_imports_this_checkouts_rlhf():
     # the runs start in the checkout with it first on the path: whatever rlhf the environment
     # installed (an editable install of another tree), the bench measures this code
-    assert bench.REPO == REPO and (REPO / "rlhf" / "tools" / "bench.py").exists()
-    assert bench.run_env(1)["PYTHONPATH"].split(":")[0] == str(REPO)
+    assert runs.REPO == REPO and (REPO / "benchmarks" / "runs.py").exists()
+    assert runs.run_env(1)["PYTHONPATH"].split(":")[0] == str(REPO)
 
 
 def test_arguments_thread_count_and_sections(tmp_path):
-    args = bench.parse_args(["--out", str(tmp_path), "--ranks", "2", "--sections", "sft,ppo"])
-    assert args.threads == max(1, bench.CORES // 2)
+    args = steps.parse_args(["--out", str(tmp_path), "--ranks", "2", "--sections", "sft,ppo"])
+    assert args.threads == max(1, runs.CORES // 2)
     assert args.sections == ["sft", "ppo"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sections", "sft,nope"])
+        steps.parse_args(["--sections", "sft,nope"])
 
 
 def test_the_dschat_scenario_takes_deepspeed_chats_shapes_unless_told_otherwise(tmp_path):
-    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat"])
+    args = steps.parse_args(["--out", str(tmp_path), "--scenario", "dschat"])
     assert (args.dtype, args.ranks, args.zero, args.threads) == (
         "bf16",
         2,
         2,
-        max(1, bench.CORES // 2),
+        max(1, runs.CORES // 2),
     )
     assert (args.micro_batch, args.grad_accum, args.ppo_batch) == (4, 1, 4)
-    assert (args.actor, args.critic) == (bench.Size(256, 4), bench.Size(120, 3))
+    assert (args.actor, args.critic) == (workload.Size(256, 4), workload.Size(120, 3))
     assert (args.max_seq_len, args.max_prompt_len, args.lengths) == (256, 128, "chat")
     assert args.sections == ["sft", "reward", "ppo"]
     # SFT 800 rows x 4 epochs, reward 1600 pairs x 1, PPO 40 iterations of 8 prompts (2 ranks)
-    assert [bench.section_steps(s, args) for s in ("sft", "reward", "ppo")] == [400, 200, 40]
-    mine = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--ranks", "1"])
+    assert [steps.section_steps(s, args) for s in ("sft", "reward", "ppo")] == [400, 200, 40]
+    mine = steps.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--ranks", "1"])
     assert mine.ranks == 1 and mine.dtype == "bf16"  # an option still overrides the scenario
-    assert bench.parse_args(["--out", str(tmp_path)]).dtype == "fp32"  # the steps scenario
+    assert steps.parse_args(["--out", str(tmp_path)]).dtype == "fp32"  # the steps scenario
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25, 0.01])
 def test_the_dschat_rows_split_into_exactly_each_phases_rows(tmp_path, scale):
     from rlhf.data.split import phase_indices, train_eval_indices
 
-    phases = bench.dschat_rows(scale)
+    phases = workload.dschat_rows(scale)
     if scale == 1.0:
         assert phases == {"sft": 800, "reward": 1600, "ppo": 320}
     assert min(phases.values()) >= 8  # one global batch of 2 ranks x 4 rows at least
-    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--scale", str(scale)])
-    overrides = dict(o.split("=", 1) for o in bench.data_overrides(args, tmp_path / "d.jsonl"))
+    args = steps.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--scale", str(scale)])
+    overrides = dict(o.split("=", 1) for o in workload.data_overrides(args, tmp_path / "d.jsonl"))
     split = [int(w) for w in overrides["data.phase_split"].strip("[]").split(",")]
     fraction = float(overrides["data.sources.local.eval_fraction"])
     train, _ = train_eval_indices(args.rows, fraction, seed=1234)
     sizes = [len(phase_indices(len(train), split, k, 1234)) for k in range(3)]
     assert sizes == [phases["sft"], phases["reward"], phases["ppo"]]
-    assert bench.section_steps("ppo", args) * 8 <= phases["ppo"]
+    assert steps.section_steps("ppo", args) * 8 <= phases["ppo"]
 
 
 def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
-    args = bench.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--no-trl"])
-    ppo = bench.section_modes("ppo", args, "ACTOR", "CRITIC")
+    args = steps.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--no-trl"])
+    ppo = steps.section_modes("ppo", args, "ACTOR", "CRITIC")
     for mode in ("fast", "baseline"):  # rlhf's decoding, sampled at T=1, in both modes
         assert "ppo.greedy=false" in ppo[mode]
         assert "ppo.per_device_generation_batch_size=4" in ppo[mode]
         assert "ppo.max_new_tokens=128" in ppo[mode]
     # prompts padded to 128, answers to the cap, old log-probs recomputed, no evaluation but
     # rlhf's final one (2 prompts)
-    assert set(bench.PPO_BASELINE) | set(bench.DSCHAT_PPO_BASELINE_EVAL) <= set(ppo["baseline"])
-    assert not set(bench.PPO_BASELINE) & set(ppo["fast"])
-    sft = bench.section_modes("sft", args, "ACTOR", "CRITIC")
-    assert set(bench.BASELINE_PADDING) <= set(sft["baseline"])
+    assert set(steps.PPO_BASELINE) | set(steps.DSCHAT_PPO_BASELINE_EVAL) <= set(ppo["baseline"])
+    assert not set(steps.PPO_BASELINE) & set(ppo["fast"])
+    sft = steps.section_modes("sft", args, "ACTOR", "CRITIC")
+    assert set(steps.BASELINE_PADDING) <= set(sft["baseline"])
     assert "optim.epochs=4" in sft["baseline"] and "optim.epochs=4" in sft["fast"]
-    reward = bench.section_modes("reward", args, "ACTOR", "CRITIC")
+    reward = steps.section_modes("reward", args, "ACTOR", "CRITIC")
     assert "optim.epochs=1" in reward["baseline"]
     # whole runs: evaluated before training and after each epoch, exported, as both do
-    shared = bench.run_overrides(args, 400)
+    shared = workload.run_overrides(args, 400)
     assert {"step.eval_at_start=true", "step.save_model=true", "zero=stage2"} <= set(shared)
-    run = bench.merged(shared, ppo["baseline"])
+    run = steps.merged(shared, ppo["baseline"])
     assert "step.eval_at_start=false" in run and "step.eval_at_start=true" not in run
     assert len({o.split("=", 1)[0] for o in run}) == len(run)  # no key twice
     # DeepSpeed-Chat's greedy decoding, in both modes
-    greedy = bench.parse_args(
+    greedy = steps.parse_args(
         [
             *("--out", str(tmp_path), "--scenario", "dschat", "--no-trl"),
             *("--ppo-decoding", "greedy"),
         ]
     )
-    ppo = bench.section_modes("ppo", greedy, "ACTOR", "CRITIC")
+    ppo = steps.section_modes("ppo", greedy, "ACTOR", "CRITIC")
     assert all("ppo.greedy=true" in ppo[mode] for mode in ("fast", "baseline"))
 
 
 @pytest.mark.slow
 def test_the_dschat_scenario_runs_tiny_end_to_end(tmp_path):
     cmd = [
-        *(sys.executable, "-m", "rlhf.bench", "--out", str(tmp_path), "--scenario", "dschat"),
+        *(sys.executable, "-m", "benchmarks", "--out", str(tmp_path), "--scenario", "dschat"),
         *("--scale", "0.01", "--repeats", "1", "--actor", "32x1", "--critic", "32x1"),
         *("--sections", "sft,ppo"),  # the reward step runs as SFT's does (2 ranks, bf16, whole)
         *("--export-steps", "2", "--max-seq-len", "64", "--max-prompt-len", "32"),
@@ -312,15 +330,15 @@ def test_the_dschat_scenario_runs_tiny_end_to_end(tmp_path):
         assert 0 <= ppo[mode]["eval_share"] < 1
     assert {"sft: samples/s vs baseline", "ppo: s/iter vs baseline"} <= set(report["ratios"])
     # TRL's worker on 2 ranks (its rows planned by the bench, not by each rank)
-    assert ("trl" in report["table"]["sft"]) == bool(bench.trl_version())
-    if bench.trl_version():
+    assert ("trl" in report["table"]["sft"]) == bool(trl_runs.trl_version())
+    if trl_runs.trl_version():
         assert report["table"]["sft"]["trl"]["samples_per_s"] > 0
 
 
 @pytest.mark.slow
 def test_a_tiny_bench_runs_end_to_end(tmp_path):
     cmd = [
-        *(sys.executable, "-m", "rlhf.bench", "--out", str(tmp_path)),
+        *(sys.executable, "-m", "benchmarks", "--out", str(tmp_path)),
         *("--sections", "sft,ppo", "--repeats", "1", "--rows", "600", "--no-trl"),
         *("--actor", "64x2", "--critic", "32x1", "--micro-batch", "4", "--grad-accum", "2"),
         *("--sft-steps", "2", "--reward-steps", "2", "--ppo-iters", "2", "--ppo-batch", "4"),
@@ -366,8 +384,8 @@ def test_the_baseline_runs_with_the_libraries_onednn_caches(tmp_path, monkeypatc
         seen[run_dir.name] = env
         return {"perf/samples_per_s": 1.0, "perf/tokens_per_s": 1.0, "perf/peak_mem_gb": 1.0}
 
-    monkeypatch.setattr(bench, "run_rlhf", fake_run)
-    args = bench.parse_args(["--out", str(tmp_path), "--no-trl", "--repeats", "1"])
-    bench.measure("sft", args, tmp_path / "d.jsonl", "ACTOR", "CRITIC")
-    assert seen == {"sft-fast-0": None, "sft-baseline-0": bench.BASELINE_ENV}
-    assert set(bench.BASELINE_ENV) == set(ONEDNN_CACHES)
+    monkeypatch.setattr(steps, "run_rlhf", fake_run)
+    args = steps.parse_args(["--out", str(tmp_path), "--no-trl", "--repeats", "1"])
+    steps.measure("sft", args, tmp_path / "d.jsonl", "ACTOR", "CRITIC")
+    assert seen == {"sft-fast-0": None, "sft-baseline-0": steps.BASELINE_ENV}
+    assert set(steps.BASELINE_ENV) == set(ONEDNN_CACHES)

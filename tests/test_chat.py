@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.tools.chat import Chat, cut_at_stop, turn
+from rlhf.chat import Chat, cut_at_stop, turn
 from tests.conftest import REPO
 
 MAX_NEW = 12

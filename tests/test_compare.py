@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rlhf.tools import compare, sweep_summary
+from rlhf import compare
+from rlhf.tools import sweep_summary
 from tests.conftest import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -297,7 +297,7 @@ def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_di
             hydra_yaml = OmegaConf.load(Path(row["path"]) / ".hydra" / "hydra.yaml")
             assert Path(hydra_yaml.hydra.sweep.dir) == sweep_dir
 
-    from rlhf.tools import compare
+    from rlhf import compare
 
     out = tmp_path / "cmp"
     assert compare.main([str(sweep_dir), "--metrics", "train/loss", "--out", str(out)]) == 0

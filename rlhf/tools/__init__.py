@@ -1,3 +1,3 @@
-"""Tools beside the pipeline, never imported by it: the benchmark (``python -m rlhf.bench``),
-run comparison and plots (``python -m rlhf.compare``), a chat with an export
-(``python -m rlhf.chat``), the sweep summary and the multirun launcher's mechanics."""
+"""The multirun tools beside the pipeline, never imported by it: the sweep summary and the
+launchers' mechanics (local and SLURM). The user's other commands are rlhf/chat.py and
+rlhf/compare.py; the benchmarks live outside the package (benchmarks/, ``python -m benchmarks``)."""

@@ -1,7 +1,7 @@
 """vLLM rollouts on a GPU at OPT-1.3B's shapes (random init, nothing downloaded): the rollout
 bench's comparison with the transformers path, bf16, and the engine's log-probs near the
 trainer's. For the day a GPU is lent; CPU runs the same code at small shapes (tests/test_vllm.py,
-python -m rlhf.bench rollout)."""
+python -m benchmarks rollout)."""
 
 import json
 import subprocess
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 def test_rollout_bench_at_opt_1_3b_shapes(tmp_path):
     out = tmp_path / "rollout.json"
-    command = [sys.executable, "-m", "rlhf.bench", "rollout", "--models", "opt-1.3b"]
+    command = [sys.executable, "-m", "benchmarks", "rollout", "--models", "opt-1.3b"]
     command += ["--dtypes", "bf16", "--prompts", "64", "--answer-len", "256", "--out", str(out)]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]

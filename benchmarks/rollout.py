@@ -1,4 +1,4 @@
-"""``python -m rlhf.bench rollout``: rollouts on vLLM (ppo.rollout_engine=vllm) against the
+"""``python -m benchmarks rollout``: rollouts on vLLM (ppo.rollout_engine=vllm) against the
 transformers path (hf) on the same prompts: answer tokens/s sampled and greedy, the weight push's
 seconds, and the gap between the engine's log-probs of its sampled tokens and the trainer's
 forward (in the run's dtype, and in fp32). Every answer runs to the same length (no stop at
@@ -16,7 +16,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: benchmarks/rollout.py -> ..
 # random-init OPT models: the embedded default's shape, OPT-125m's and OPT-1.3B's
 SHAPES = {
     "embedded": None,  # rlhf.config.TINY_INIT with the shipped tokenizer's vocabulary
@@ -42,7 +42,7 @@ SHAPES = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlhf.bench rollout", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks rollout", description=__doc__)
     p.add_argument("--models", default="embedded,opt-125m", help=f"any of {','.join(SHAPES)}")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--prompts", type=int, default=32, help="prompts a generation batch")
@@ -74,13 +74,13 @@ def main(argv: list[str]) -> dict:
     for model in args.models:
         for dtype in args.dtypes:
             spec = {**vars(args), "model": model, "dtype": dtype, "out": None}
-            command = [sys.executable, "-m", "rlhf.bench", "rollout", "_worker", json.dumps(spec)]
+            command = [sys.executable, "-m", "benchmarks", "rollout", "_worker", json.dumps(spec)]
             proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"{model} {dtype} failed:\n{proc.stderr[-4000:]}")
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(format_row(results[-1]), flush=True)
-    report = {"command": " ".join(["python -m rlhf.bench rollout", *argv]), "results": results}
+    report = {"command": " ".join(["python -m benchmarks rollout", *argv]), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
-"""``python -m rlhf.bench reference``: the peak memory of PPO and DPO with a LoRA policy whose
+"""``python -m benchmarks reference``: the peak memory of PPO and DPO with a LoRA policy whose
 base weights do not train (lora=r8: only_optimize_lora), its reference loaded as a second full
 copy (``lora.reference_copy=true``, how every run did before) against the policy itself with its
 adapters off (the default). The models are random-init OPT-125m shapes (hidden 768, 12 layers,
-vocabulary 50272; rlhf.tools.rollout_bench.SHAPES) with the shipped tokenizer, on the toy task's
+vocabulary 50272; SHAPES in benchmarks/rollout.py) with the shipped tokenizer, on the toy task's
 rows; each run is a real ``python -m rlhf`` whose ``perf/peak_mem_gb`` (peak RSS on CPU, peak
 allocated memory on a GPU) the bench reads. Modes alternate within each repeat. See
 docs/performance.md."""
@@ -15,10 +15,10 @@ import statistics
 from datetime import datetime
 from pathlib import Path
 
-from rlhf.tools.bench import CORES, machine, run_rlhf
-from rlhf.tools.rollout_bench import build_model
+from benchmarks.report import machine
+from benchmarks.rollout import build_model
+from benchmarks.runs import CORES, REPO, run_rlhf
 
-REPO = Path(__file__).resolve().parents[2]
 MODES = {"copy": ["lora.reference_copy=true"], "adapters-off": []}
 # short runs: the peak comes with the models and the first update, not with the run's length
 COMMON = [
@@ -48,9 +48,9 @@ STEPS = {
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlhf.bench reference", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks reference", description=__doc__)
     p.add_argument("--steps", default="ppo,dpo", help="any of ppo,dpo")
-    p.add_argument("--model", default="opt-125m", help="a shape of rollout_bench.SHAPES")
+    p.add_argument("--model", default="opt-125m", help="a shape of rollout.SHAPES")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode (medians)")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads a rank (0: cores/ranks)")
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> dict:
                 summary = run_rlhf(overrides(step, mode, model, args), run_dir, args)
                 runs[step][mode].append(summary["perf/peak_mem_gb"])
     report = {
-        "command": " ".join(["python -m rlhf.bench reference", *argv]),
+        "command": " ".join(["python -m benchmarks reference", *argv]),
         "machine": machine(),
         "workload": {k: str(v) for k, v in vars(args).items()},
         "peak_mem_gb": runs,
