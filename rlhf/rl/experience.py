@@ -132,9 +132,16 @@ def answer_kl(
     logprobs, logits = response_logprobs(actor, sequences, attention_mask, start, **logprob_args)
     logits = logits if kl_needs_logits(estimator) else None  # freed before the reference's forward
     ref_logprobs, ref_logits = response_logprobs(
-        reference, sequences, attention_mask, start, **logprob_args
+        reference, sequences, attention_mask, start, **reference_args(logprob_args)
     )
     return per_token_kl(logprobs.float(), ref_logprobs.float(), estimator, logits, ref_logits)
+
+
+def reference_args(logprob_args: dict) -> dict:
+    """The reference is scored under its whole (tempered) distribution, as verl, OpenRLHF and
+    TRL score it: renormalised over the sampler's top-k / top-p set, it would give the kept
+    tokens more mass than it does and bias the KL low (by up to -log top_p a token)."""
+    return {**logprob_args, "truncation": None}
 
 
 def sequence_values(
@@ -266,7 +273,7 @@ def _score(
         )
         old_logits = old_logits if exact_kl else None  # freed before the next forward
     ref_logprobs, ref_logits = response_logprobs(
-        reference, sequences, attention_mask, start, **logprob_args
+        reference, sequences, attention_mask, start, **reference_args(logprob_args)
     )
     token_kl = None
     if exact_kl:
