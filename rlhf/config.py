@@ -264,6 +264,11 @@ class LoraConfig:
             out.append(("learning_rate", self.learning_rate, "null or a positive float"))
         if self.only_optimize_lora and self.rank == 0:
             out.append(("only_optimize_lora", True, "false when lora.rank is 0"))
+        if self.reference_copy and not (self.rank > 0 and self.only_optimize_lora):
+            # without frozen base weights the reference is a full copy anyway: nothing to choose
+            out.append(
+                ("reference_copy", True, "false unless lora.rank > 0 and only_optimize_lora=true")
+            )
         return out
 
 

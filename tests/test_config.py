@@ -181,6 +181,14 @@ def test_step1_sweep_is_deepspeed_chats_grid():
 BAD_VALUES = [
     # overrides, key, value as reported, a piece of what is accepted
     (["ppo.rollout_engine=sglang"], "ppo.rollout_engine", "'sglang'", "one of hf, vllm"),
+    # accepted and meaningless: without frozen base weights the reference is a full copy anyway
+    (["lora=none", "lora.reference_copy=true"], "lora.reference_copy", "True", "lora.rank > 0"),
+    (
+        ["lora=r8", "lora.only_optimize_lora=false", "lora.reference_copy=true"],
+        "lora.reference_copy",
+        "True",
+        "only_optimize_lora=true",
+    ),
     (
         ["ppo.rollout_engine=vllm", "actor.hybrid_engine=true"],
         "actor.hybrid_engine",
