@@ -111,7 +111,7 @@ class ModelConfig:
     path: str | None = None  # hub id or local dir (save_pretrained format); null: build from init
     # OPTConfig arguments of the embedded model (path=null): 4 layers, hidden 128, ~1M parameters
     init: dict[str, Any] = field(default_factory=lambda: dict(TINY_INIT))
-    init_seed: int = 0  # seed of the random initialisation for path=null
+    init_seed: int = 0  # seed of the random initialisation for path=null (model=tiny: seed)
     tokenizer: str | None = None  # hub id or dir; null: same as path (or the shipped tokenizer)
     dropout: float | None = None  # override every dropout probability; null keeps the model's
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
@@ -178,7 +178,7 @@ class DataConfig:
     # a prompt longer than max_prompt_len: truncate (keep BOS + its end) | skip the row | error
     overlong_prompts: str = "truncate"
     max_eval_rows: int = 0  # cap on eval rows per phase; 0 = all (data=toy: 1000)
-    seed: int = 1234  # the phase split and the shuffle
+    seed: int = 1234  # which rows: the phase split and the eval rows kept (seed orders them)
     cache_dir: str = "~/.cache/rlhf/data"  # tokenised data, keyed on everything that changes it
     # sort each global batch by length: like rows share a micro batch, ranks get like tokens
     group_by_length: bool = True
@@ -958,7 +958,9 @@ class Config:
     actor: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=RoleConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    seed: int = 1234  # torch / numpy / python seeds of the run (data.seed fixes the data)
+    # the run's randomness: sampling, dropout, the order of the training rows and (model=tiny)
+    # the initial weights; data.seed fixes which rows
+    seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
     run_dir: str | None = None  # null: Hydra's output dir (hydra.run.dir)

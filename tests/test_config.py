@@ -388,7 +388,8 @@ def test_step_and_default_options_restate_no_schema_default(group):
 
 def test_a_plain_run_uses_the_schema_defaults():
     """Composed with nothing on the command line, each step differs from the dataclass defaults
-    only in what its options choose: the data (data=toy), the step's own values (and PPO's
+    only in what its options choose: the data (data=toy), the model's seed (model=tiny), the
+    step's own values (and PPO's
     models, which take the top-level values: tests/test_config_flow.py)."""
     schema = OmegaConf.to_container(OmegaConf.structured(Config))
     own = {
@@ -398,7 +399,8 @@ def test_a_plain_run_uses_the_schema_defaults():
         "dpo": {"step.name", "optim.lr", "optim.epochs", "model.dropout"},
         "all": set(),
     }
-    data_option = {"data.sources", "data.max_seq_len", "data.max_prompt_len", "data.max_eval_rows"}
+    chosen = {"data.sources", "data.max_seq_len", "data.max_prompt_len", "data.max_eval_rows"}
+    chosen.add("model.init_seed")  # model=tiny: the run's seed
     for step, expected in own.items():
         composed = OmegaConf.to_container(compose([f"step={step}"]), resolve=True)
         differ = {
@@ -406,7 +408,7 @@ def test_a_plain_run_uses_the_schema_defaults():
         }
         shared = {k for k in differ if k.startswith(("actor.", "critic."))}
         assert all(_get(composed, k) == _get(composed, k.split(".", 1)[1]) for k in shared), step
-        assert differ - data_option - shared == expected, step
+        assert differ - chosen - shared == expected, step
 
 
 def test_help_prints_each_key_with_its_composed_value_and_meaning():

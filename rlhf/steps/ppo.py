@@ -138,7 +138,7 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
         ppo.per_device_generation_batch_size,
         world_size(),
         ppo.generation_batches,
-        cfg.data.seed,
+        cfg.seed,  # the order of the prompts; data.seed fixes which prompts
     )
     iterations = total_steps(
         plan,

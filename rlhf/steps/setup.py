@@ -83,7 +83,7 @@ def batch_plan(cfg: Config, rows, lengths: list[int] | None) -> tuple[BatchShape
         shape.micro_batch_size,
         shape.world_size,
         shape.grad_accum,
-        cfg.data.seed,
+        cfg.seed,  # the order of the rows; data.seed fixes which rows
         lengths if cfg.data.group_by_length else None,
     )
     return shape, plan
