@@ -237,6 +237,20 @@ def _sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess
     )
 
 
+def test_jobs_sharing_a_directory_stop_the_sweep_before_any_runs(tmp_path):
+    """hydra.sweep.subdir=same: the second job would be refused by the first's lock and the
+    table would show both with its record; the sweep is refused in one line instead."""
+    sweep_dir = tmp_path / "sweep"
+    proc = _sweep(
+        ["step=sft", "seed=1,2", "hydra.sweep.subdir=same", f"hydra.sweep.dir={sweep_dir}"]
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"jobs 0 and 1 of the sweep get the same directory {sweep_dir / 'same'}" in line
+    assert "Traceback" not in proc.stderr
+    assert not (sweep_dir / "same").exists() and not (sweep_dir / "summary.md").exists()
+
+
 # conf/config.yaml's exclude_keys and the FAST keys: job dirs named by what the test sweeps
 NOT_IN_NAMES = [
     "hydra.run.dir",

@@ -98,10 +98,15 @@ class RlhfLauncher(Launcher):
             f"Launching {len(job_overrides)} job(s) in {sweep_dir}, one process group each, "
             f"{self.nproc_per_node} rank(s) per job"
         )
+        jobs = [
+            self._prepare(initial_job_idx + offset, list(overrides))
+            for offset, overrides in enumerate(job_overrides)
+        ]
+        self._refuse_shared_dirs(jobs)
         returns, failures = [], []
         try:
-            for offset, overrides in enumerate(job_overrides):
-                ret, err = self._launch_one(initial_job_idx + offset, list(overrides))
+            for job in jobs:
+                ret, err = self._launch_one(job)
                 returns.append(ret)
                 failures += [err] if err else []
                 self._write_summary(sweep_dir)
@@ -120,10 +125,22 @@ class RlhfLauncher(Launcher):
             )
         return returns
 
-    def _launch_one(
-        self, idx: int, overrides: list[str]
-    ) -> tuple[JobReturn, mechanics.JobFailed | None]:
-        job = self._prepare(idx, overrides)
+    def _refuse_shared_dirs(self, jobs: list[PreparedJob]) -> None:
+        """Two jobs in one directory would mix their checkpoints and records (and the second
+        be refused by the first's run-dir lock, with the table showing both as it): stop the
+        sweep before any job runs, in one line."""
+        taken = {job_dir: idx for idx, job_dir in self.jobs}  # earlier batches' jobs
+        for job in jobs:
+            if job.job_dir in taken:
+                mechanics.refuse(
+                    f"jobs {taken[job.job_dir]} and {job.index} of the sweep get the same directory "
+                    f"{job.job_dir}: hydra.sweep.subdir must differ between jobs (its default, "
+                    "${hydra.job.override_dirname}, names each job by its overrides)"
+                )
+            taken[job.job_dir] = job.index
+
+    def _launch_one(self, job: PreparedJob) -> tuple[JobReturn, mechanics.JobFailed | None]:
+        idx = job.index
         log.info(f"\t#{idx} : {job.shown}  (log: {job.job_dir / sweep_summary.LOG_FILE})")
         self.jobs.append((idx, job.job_dir))
         result = mechanics.run_job_process(job.command, job.job_dir, job.record, self.timeout_s)

@@ -106,6 +106,7 @@ class SlurmLauncher(RlhfLauncher):
             self._prepare(initial_job_idx + offset, list(overrides))
             for offset, overrides in enumerate(job_overrides)
         ]
+        self._refuse_shared_dirs(jobs)
         submitted = self._submit(jobs, sbatch)
         log.info(
             f"Submitted {len(jobs)} SLURM job(s) ({submitted[0].job.job_id.split('_')[0]}), "

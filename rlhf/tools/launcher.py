@@ -124,6 +124,12 @@ def job_command(
     return [*head, *args, "hydra.mode=RUN", *dirs]
 
 
+def refuse(message: str) -> None:
+    """A sweep that must not start: one line, exit status 2 (as rlhf's own refusals)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def quote(value: str) -> str:
     """A string as a quoted Hydra override value: a job dir holds ``=`` and ``,``."""
     return "'" + value.replace("'", "\\'") + "'"
