@@ -257,19 +257,17 @@ def print_help(args: list[str]) -> None:
 
 
 def _preflight(args: list[str]) -> None:
-    """What Hydra would answer with a traceback, as one line: a YAML syntax error in conf/ or
-    the -cd directory, a run or sweep directory that cannot be made."""
+    """What Hydra would answer with a traceback, as one line: a YAML syntax error in a file the
+    command composes, a run or sweep directory that cannot be made."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlhf import preflight
-    from rlhf.help import CONF_DIR
 
     parsed, _ = get_args_parser().parse_known_args(args)
-    dirs = [CONF_DIR, *([Path(parsed.config_dir).absolute()] if parsed.config_dir else [])]
     try:
         preflight.check_modes(parsed)
-        preflight.check_yaml_files(dirs)
+        preflight.check_composed_yaml(_fail)
         made = ("hydra.sweep.dir",) if parsed.multirun else ("hydra.run.dir", "hydra.sweep.dir")
         made = () if parsed.cfg or parsed.info else made  # printing the config makes no dir
         given = False

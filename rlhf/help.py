@@ -219,7 +219,7 @@ def composed_for_help(args: list[str]) -> tuple[dict[str, Any], list[str]]:
     overrides = [a for a in parsed.overrides if a not in filters]
     preflight.check_override_syntax(overrides)
     config_dir = Path(parsed.config_dir).absolute() if parsed.config_dir else CONF_DIR
-    preflight.check_yaml_files(list(dict.fromkeys([config_dir, CONF_DIR])))
+    preflight.check_composed_yaml()
     search = [f"hydra.searchpath=[file://{CONF_DIR}]"] if config_dir != CONF_DIR else []
     schema.register_configs()
 

@@ -6,6 +6,7 @@ error, a run directory that cannot be made; and Hydra's composition errors as on
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -56,22 +57,59 @@ def check_modes(parsed) -> None:
 
 
 def check_yaml_files(config_dirs: list[Path]) -> None:
-    """A YAML syntax error in a config directory as one line: file, line, the parser's message
-    (Hydra reports it as a 75-line traceback)."""
+    """Every YAML file under ``config_dirs`` parses (the shipped conf/ and sweeps/, in tests)."""
     for config_dir in config_dirs:
         for path in sorted(config_dir.rglob("*.yaml")) if config_dir.is_dir() else []:
+            check_yaml_file(path)
+
+
+def check_yaml_file(path: Path) -> None:
+    """A YAML syntax error as one line: file, line, the parser's message (Hydra reports it as
+    a 75-line traceback)."""
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as err:
+        mark, start = err.problem_mark or err.context_mark, err.context_mark
+        where = f"{path}, line {mark.line + 1}" if mark else str(path)
+        context = err.context or ""
+        if start is not None and mark is not None and start.line != mark.line:
+            context += f" (from line {start.line + 1})"
+        message = ": ".join(part for part in (context, err.problem) if part)
+        raise ConfigError(f"{where}: YAML syntax error: {message}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: YAML error: {err}") from None
+
+
+_on_yaml_error: list[Callable[[ConfigError], None] | None] = [None]
+
+
+def check_composed_yaml(fail: Callable[[ConfigError], None] | None = None) -> None:
+    """Each YAML file Hydra reads is checked as it reads it, and only those: a broken file
+    elsewhere in a -cd directory blocks nothing that does not compose it. ``fail`` reports a
+    problem (a run: one line, exit status 2); None: the ConfigError is raised."""
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # its scan re-executes the plugin modules: patch the class it registers
+    source_class = SourcesRegistry.instance().resolve("file")
+    _on_yaml_error[0] = fail
+    load = source_class.load_config
+    if getattr(load, "checked", False):
+        return
+
+    def checked(self, config_path: str):
+        path = Path(self.path) / self._normalize_file_name(config_path)
+        if path.is_file():
             try:
-                yaml.safe_load(path.read_text())
-            except yaml.MarkedYAMLError as err:
-                mark, start = err.problem_mark or err.context_mark, err.context_mark
-                where = f"{path}, line {mark.line + 1}" if mark else str(path)
-                context = err.context or ""
-                if start is not None and mark is not None and start.line != mark.line:
-                    context += f" (from line {start.line + 1})"
-                message = ": ".join(part for part in (context, err.problem) if part)
-                raise ConfigError(f"{where}: YAML syntax error: {message}") from None
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: YAML error: {err}") from None
+                check_yaml_file(path)
+            except ConfigError as err:
+                if _on_yaml_error[0] is None:
+                    raise
+                _on_yaml_error[0](err)
+        return load(self, config_path)
+
+    checked.checked = True
+    source_class.load_config = checked
 
 
 def check_output_dir(key: str, value: str) -> None:

@@ -83,6 +83,22 @@ def test_the_command_line_answers_in_one_line(tmp_path, args, expected):
     assert line.startswith("error: ") and expected in line, line
 
 
+def test_a_broken_yaml_file_blocks_only_the_commands_that_compose_it(tmp_path):
+    """The pre-flight checks the files Hydra reads, as it reads them: a broken experiment
+    beside the one asked for blocks nothing; asked for, it is one line."""
+    (tmp_path / "good.yaml").write_text("defaults:\n  - config\n  - _self_\noptim:\n  lr: 0.007\n")
+    (tmp_path / "broken.yaml").write_text("defaults:\n  - config\n optim: 1\n")
+    good = run_rlhf(["-cd", str(tmp_path), "-cn", "good", "--cfg", "job"], check=False)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "lr: 0.007" in good.stdout
+    broken = run_rlhf(
+        ["-cd", str(tmp_path), "-cn", "broken", "--cfg", "job"], check=False, extra_env=NO_TRACE
+    )
+    assert broken.returncode == 2
+    [line] = broken.stderr.strip().splitlines()
+    assert line.startswith(f"error: {tmp_path / 'broken.yaml'}, line 3: YAML syntax error")
+
+
 def test_an_outputs_file_in_the_working_directory_is_one_line(tmp_path):
     (tmp_path / "outputs").write_text("not a directory")
     proc = subprocess.run(
