@@ -59,6 +59,7 @@ def main() -> None:
     _preflight(sys.argv[1:])
     _show_config_as_run()
     _share_run_time()
+    _run_dir_errors_in_one_line()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     register_configs()
     try:
@@ -384,6 +385,32 @@ def _config_groups(config_dir: str | None) -> set[str]:
 
     dirs = [Path(CONF_DIR), *([Path(config_dir)] if config_dir else [])]
     return {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()}
+
+
+def _run_dir_errors_in_one_line() -> None:
+    """Hydra makes the run directory (and its log file there) before any rlhf code runs, and
+    answers a failure with a traceback. The command line's hydra.run.dir is checked in the
+    pre-flight; one set in a config file fails here: one line, exit status 2."""
+    from hydra._internal import hydra as hydra_internals
+
+    run_job = hydra_internals.run_job
+    if getattr(run_job, "one_line", False):
+        return
+
+    def one_line(*args, **kwargs):
+        try:
+            return run_job(*args, **kwargs)
+        except OSError as err:  # the task's own errors stay inside run_job's return
+            where = err.filename or HydraConfig.get().runtime.output_dir
+            _fail(
+                ConfigError(
+                    f"hydra.run.dir: cannot make or write {where} ({err.strerror}); set "
+                    "hydra.run.dir to a writable directory"
+                )
+            )
+
+    one_line.one_line = True
+    hydra_internals.run_job = one_line
 
 
 def _end_with_launcher() -> None:

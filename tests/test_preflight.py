@@ -99,6 +99,19 @@ def test_a_broken_yaml_file_blocks_only_the_commands_that_compose_it(tmp_path):
     assert line.startswith(f"error: {tmp_path / 'broken.yaml'}, line 3: YAML syntax error")
 
 
+def test_a_run_dir_a_config_file_sets_that_cannot_be_made_is_one_line(tmp_path):
+    """hydra.run.dir from a file, not the command line: Hydra makes it before rlhf runs."""
+    experiment = "defaults:\n  - config\n  - _self_\nhydra:\n  run:\n    dir: /proc/rlhf-no/run\n"
+    (tmp_path / "ro.yaml").write_text(experiment)
+    proc = run_rlhf(
+        ["-cd", str(tmp_path), "-cn", "ro", "step=sft"], check=False, extra_env=NO_TRACE
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: hydra.run.dir: cannot make or write /proc/rlhf-no")
+    assert "set hydra.run.dir to a writable directory" in line
+
+
 def test_an_outputs_file_in_the_working_directory_is_one_line(tmp_path):
     (tmp_path / "outputs").write_text("not a directory")
     proc = subprocess.run(
