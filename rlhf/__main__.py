@@ -59,6 +59,8 @@ def main() -> None:
     _preflight(sys.argv[1:])
     _show_config_as_run()
     _share_run_time()
+    if int(os.environ.get("RANK", "0")) > 0 and _prints_only(sys.argv):
+        return  # under a launcher rank 0 prints the config alone
     _run_dir_errors_in_one_line()
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
     register_configs()
@@ -438,8 +440,13 @@ def _accept_local_rank_flag() -> None:
             os.environ.setdefault("LOCAL_RANK", value)
             del argv[i : i + (1 if "=" in arg else 2)]
             break
-    if int(os.environ.get("RANK", "0")) > 0:
+    if int(os.environ.get("RANK", "0")) > 0 and not _prints_only(argv):
         argv.append("hydra.output_subdir=null")  # rank 0 writes .hydra/ alone
+
+
+def _prints_only(argv: list[str]) -> bool:
+    """--cfg / --info: Hydra prints and runs nothing."""
+    return any(a in ("--cfg", "-c", "--info", "-i") or a.startswith("--cfg=") for a in argv[1:])
 
 
 def _share_run_time() -> None:

@@ -4,12 +4,13 @@ values refused in a second or two with a message, not a traceback. Nothing train
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 from omegaconf import OmegaConf
 
 from rlhf import ONEDNN_CACHES
-from tests.conftest import cache_overrides, run_rlhf
+from tests.conftest import REPO, cache_overrides, run_rlhf
 
 NO_TRACE = {"HYDRA_FULL_ERROR": "0"}  # Hydra's short messages, whatever the caller's shell says
 
@@ -121,3 +122,21 @@ def test_onednn_caches_are_capped_before_torch_loads_unless_the_user_set_them():
     env["LRU_CACHE_CAPACITY"] = "8"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "['16', '8']", out.stderr
+
+
+@pytest.mark.slow
+def test_cfg_job_under_torchrun_prints_the_config_once():
+    """Each rank composes the config; rank 0 alone prints it, and no rank adds an override
+    Hydra's --cfg parser refuses."""
+    proc = subprocess.run(
+        ["torchrun", "--nproc_per_node", "2", "-m", "rlhf", "--cfg", "job", "step=sft"],
+        cwd=REPO,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unrecognized arguments" not in proc.stderr
+    assert proc.stdout.count("\nseed: ") + proc.stdout.startswith("seed: ") == 1
+    assert "step:\n  name: sft" in proc.stdout
