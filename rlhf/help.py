@@ -32,8 +32,15 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 def field_meanings() -> dict[tuple[str, str], str]:
     """(class name, field name) -> the field's comment: the one on its line, else the comment
-    lines right above it."""
-    source = Path(schema.__file__).read_text()
+    lines right above it, read from every module of the :mod:`rlhf.config` package."""
+    out = {}
+    for path in sorted(Path(schema.__file__).parent.glob("*.py")):
+        out.update(_module_meanings(path.read_text()))
+    return out
+
+
+def _module_meanings(source: str) -> dict[tuple[str, str], str]:
+    """:func:`field_meanings` of one module's ``source``."""
     trailing, standalone = {}, {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -111,7 +118,7 @@ def markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `rlhf/config.py` by `python -m rlhf.help > docs/config.md` (a test keeps",
+        "Generated from `rlhf/config/` by `python -m rlhf.help > docs/config.md` (a test keeps",
         "it current). Values are the schema's defaults, which a plain run uses; a config group",
         "option (`model=opt-1.3b`, `data=rm-static`, `step=reward`, `experiment=...`) sets its",
         "own. `python -m rlhf --help [overrides]` prints the same keys with the composed values.",
