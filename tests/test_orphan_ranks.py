@@ -44,8 +44,9 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path, cache_dir):
         launcher.wait()
         _, alive = psutil.wait_procs(ranks, timeout=120)
         assert alive == [], "ranks kept training after their launcher died"
-        log = (run_dir / "__main__.log").read_text()
-        assert "the launcher (pid" in log and "is gone: stopping this rank" in log
+        # stopped as by SIGTERM (whichever rank noticed first): a checkpoint, no finished run
+        assert "checkpoint: step" in (run_dir / "__main__.log").read_text()
+        assert not (run_dir / "summary.json").exists()
     finally:
         for rank in ranks:
             if rank.is_running():
