@@ -102,7 +102,10 @@ def run_config(run_dir: Path, node: str, schema=None):
     ``schema`` (a config dataclass)."""
     from omegaconf import OmegaConf
 
+    # Resolved against the whole tree: a node may interpolate a root key (``init_seed: ${seed}``).
     loaded = OmegaConf.load(run_dir / ".hydra" / "config.yaml")[node]
+    if OmegaConf.is_config(loaded):
+        loaded = OmegaConf.to_container(loaded, resolve=True)
     if schema is None:
         return loaded
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), loaded))
