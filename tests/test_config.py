@@ -284,6 +284,12 @@ BAD_VALUES = [
     ),
     (["step=ppo", "ppo.kl_estimator=k4"], "ppo.kl_estimator", "'k4'", "k1, k2, k3, full"),
     (
+        ["step=ppo", "ppo.target_kl=0"],
+        "ppo.target_kl",
+        "0.0",
+        "null (no early stop) or a float > 0",
+    ),
+    (
         ["step=ppo", "ppo.kl_estimator=full", "ppo.rollout_logprobs=true"],
         "ppo.rollout_logprobs",
         "True",

@@ -23,6 +23,11 @@ REDUCED = [
 ]
 # measured at this size: greedy gold 0.00 -> 0.86, sampled 0.12 -> 0.69
 MARGIN = 0.4
+MANY_UPDATES = [
+    "ppo.ppo_epochs=4",
+    "ppo.generation_batches=2",
+    "ppo.per_device_training_batch_size=16",
+]
 
 
 def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
@@ -33,19 +38,39 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
     )
     assert read_summary(tmp_path / "reward")["eval/accuracy"] >= 0.8  # measured: 0.90
     check_ppo_learned(tmp_path / "ppo")
+    # The setting where DeepSpeed-Chat diverges (16 updates a rollout), from the same exports:
+    # it learns the form and keeps right values within 0.08. Measured at this size: -0.012 to
+    # -0.044 with the thread count, so a tighter bound fails on draws of the same code
+    # (docs/results.md, "Many updates a rollout").
+    many_updates = tmp_path / "ppo_4x2"
+    run_rlhf(
+        [
+            *(o for o in REDUCED if not o.startswith("ppo.eval_prompts=")),
+            *cache_overrides(cache_dir),
+            "step=ppo",
+            f"actor.model.path={tmp_path / 'sft' / 'model'}",
+            f"critic.model.path={tmp_path / 'reward' / 'model'}",
+            *MANY_UPDATES,
+            "ppo.eval_prompts=256",  # 64 prompts resolve gold_correct to 0.016 only
+            "step.save_model=false",
+        ],
+        run_dir=many_updates,
+        timeout=1500,
+    )
+    check_ppo_learned(many_updates, margin=0.2, correct_drop=0.08)
 
 
-def check_ppo_learned(ppo_dir):
+def check_ppo_learned(ppo_dir, margin=MARGIN, correct_drop=0.1):
     """The PPO run's held-out evaluations: first (the SFT model) against last."""
     evals = [r for r in read_metrics(ppo_dir) if "eval/gold_accuracy" in r]
     start, end = evals[0], evals[-1]
     assert start["step"] == 0 and len(evals) >= 2
     # greedy: the habits go, the right values stay
-    assert end["eval/gold_accuracy"] - start["eval/gold_accuracy"] >= MARGIN
+    assert end["eval/gold_accuracy"] - start["eval/gold_accuracy"] >= margin
     assert end["eval/gold_clean"] >= 0.9
-    assert end["eval/gold_correct"] >= start["eval/gold_correct"] - 0.1
+    assert end["eval/gold_correct"] >= start["eval/gold_correct"] - correct_drop
     # sampled: the policy's own distribution moved, not only its mode
-    assert end["eval/gold_accuracy_sampled"] - start["eval/gold_accuracy_sampled"] >= MARGIN
+    assert end["eval/gold_accuracy_sampled"] - start["eval/gold_accuracy_sampled"] >= margin
     summary = read_summary(ppo_dir)
     assert summary["eval/kl"] > 0
     assert summary["eval/hacking_warnings"] == 0

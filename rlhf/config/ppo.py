@@ -165,7 +165,9 @@ class PPOConfig:
     # returns); estimators with a critic only
     critic_warmup_steps: int = 0
     entropy_coef: float = 0.0  # weight of an entropy bonus in the actor's loss
-    target_kl: float | None = None  # stop this iteration's PPO epochs once approx_kl exceeds it
+    # stop this iteration's PPO epochs once an epoch's mean approx_kl (k3 of the rollout's
+    # policy to the updated one, per answer token) exceeds it; null: every epoch runs
+    target_kl: float | None = None
     # -- EMA of the actor, exported as actor_ema/
     ema: bool = False  # keep an exponential moving average of the actor (actor_ema/)
     ema_beta: float = 0.992  # its decay per iteration
@@ -238,6 +240,8 @@ class PPOConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             out.append(("dual_clip", self.dual_clip, "null or a float > 1"))
+        if self.target_kl is not None and self.target_kl <= 0:
+            out.append(("target_kl", self.target_kl, "null (no early stop) or a float > 0"))
         for key in (
             "kl_coef",
             "clip_range",
