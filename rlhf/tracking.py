@@ -10,6 +10,7 @@ import netrc
 import os
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,34 @@ class Throughput:
             "perf/tokens_per_s": self.tokens / seconds,
             "perf/samples_per_s": self.samples / seconds,
         }
+
+
+@dataclass
+class PhaseClock:
+    """Seconds spent in named phases of a PPO iteration (generate, score, update, sync):
+    ``phase`` adds to the current iteration, ``take`` ends it and keeps the run's totals.
+    Phases must not nest, or their seconds would count twice."""
+
+    current: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - started
+
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds measured outside :meth:`phase` (the iteration's remainder), to the totals."""
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        taken, self.current = self.current, {}
+        for name, seconds in taken.items():
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+        return taken
 
 
 class Tracker:

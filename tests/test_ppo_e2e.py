@@ -161,6 +161,35 @@ MULTI_EPOCH = [
 ]
 
 
+SPLIT = ("perf/generate_s", "perf/score_s", "perf/update_s", "perf/sync_s", "perf/other_s")
+
+
+def check_split(rows: list[dict]) -> None:
+    """Each iteration's parts add up to its wall time, none counted twice (other >= 0), and the
+    named parts are most of it."""
+    for row in rows:
+        parts = [row[key] for key in SPLIT]
+        assert sum(parts) == pytest.approx(row["perf/s_per_iter"], rel=1e-6)
+        assert min(parts) >= 0
+        assert row["perf/generate_s"] > 0 and row["perf/score_s"] > 0 and row["perf/update_s"] > 0
+        assert row["perf/other_s"] <= 0.1 * row["perf/s_per_iter"]  # measured: 2-3%
+
+
+def test_each_iteration_is_split_into_its_parts(pipeline, cache_dir, tmp_path):
+    rows = _rows(pipeline / "ppo", "perf/s_per_iter")
+    assert rows
+    check_split(rows)
+    summary = read_summary(pipeline / "ppo")
+    assert all(summary[key] > 0 for key in SPLIT[:3])  # the run's mean an iteration
+    # ReMax decodes and scores a greedy baseline too: both land in their parts
+    run_rlhf(
+        [*_ppo(pipeline, cache_dir), "algo=remax", "step.max_steps=2", "step.log_interval=1"],
+        run_dir=tmp_path,
+        extra_env=ONE_THREAD,
+    )
+    check_split(_rows(tmp_path, "perf/s_per_iter"))
+
+
 def test_multi_epoch_ppo_measures_approx_kl_and_stops_at_target_kl(pipeline, cache_dir, tmp_path):
     base = [*_ppo(pipeline, cache_dir), *MULTI_EPOCH]
     run_rlhf(base, run_dir=tmp_path / "epochs", extra_env=ONE_THREAD)

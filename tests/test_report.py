@@ -176,3 +176,13 @@ def test_next_commands_paste_back_to_the_paths(tmp_path, name):
                 overrides = {o.key_or_group: o.value() for o in parser.parse_overrides(words[3:])}
                 key = "model.path" if step == "sft" else "critic.model.path"
                 assert overrides[key] == str(exports[0]), command
+
+
+def test_a_ppo_report_says_where_an_iteration_went():
+    parts = {"generate": 0.3, "score": 0.1, "update": 0.5, "sync": 0.0, "other": 0.1}
+    summary = {**PPO_SUMMARY, **{f"perf/{name}_s": s for name, s in parts.items()}}
+    rows = dict(report.headline_rows("ppo", summary))
+    assert rows["time an iteration"] == (
+        "1 s: generate 30%, score 10%, update 50%, sync 0%, other 10%"
+    )
+    assert "time an iteration" not in dict(report.headline_rows("ppo", PPO_SUMMARY))

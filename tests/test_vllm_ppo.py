@@ -61,7 +61,7 @@ def test_ppo_pushes_the_weights_after_every_update(sft, cache_dir, tmp_path):
     rows = _training_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
-        assert row["perf/weight_sync_s"] > 0
+        assert row["perf/sync_s"] > 0
         # the engine samples with the weights the trainer scores with (fp32), every iteration
         assert row["ppo/logprob_diff_max"] < 1e-4
         assert row["ppo/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)

@@ -30,7 +30,7 @@ from rlhf.rl.generation import Rollout, Sampling
 from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
 from rlhf.rl.rollouts import HFRollouts, VLLMPath
-from rlhf.tracking import Throughput
+from rlhf.tracking import PhaseClock, Throughput
 
 
 class Experience(NamedTuple):
@@ -574,6 +574,7 @@ class Collector:
     # keep the sampler's log-probs in each Experience for ppo.rollout_correction
     keep_sampler_logprobs: bool = False
     speed: Throughput = field(default_factory=Throughput)
+    clock: PhaseClock = field(default_factory=PhaseClock)  # generate / score seconds
     gap: LogprobGap = field(default_factory=LogprobGap)
     episodes: EpisodeTally = field(default_factory=EpisodeTally)  # multi-turn: what happened
 
@@ -589,16 +590,16 @@ class Collector:
         sampler's log-probs with the training forward's (a second actor forward when the
         rollout's are used). ``seed``: sample from this seed (the process's RNG is left as it
         was), so the answers do not depend on what this rank sampled before."""
-        models = self.models
         self.speed.start()
         record = self.rollout_logprobs or measure_gap or self.keep_sampler_logprobs
-        rollout = self.rollouts.generate(
-            prompt_ids,
-            self.sampling,
-            seed,
-            shaping.group_size,
-            shaping.temperature if record else None,
-        )
+        with self.clock.phase("generate"):  # a multi-turn episode's environment steps too
+            rollout = self.rollouts.generate(
+                prompt_ids,
+                self.sampling,
+                seed,
+                shaping.group_size,
+                shaping.temperature if record else None,
+            )
         self.episodes.add(rollout)
         tokens = int(rollout.response_mask.sum())
         baselines = None
@@ -609,6 +610,14 @@ class Collector:
         sampled = rollout.logprobs
         if not self.rollout_logprobs:
             rollout = rollout._replace(logprobs=None)  # make_experience recomputes them
+        with self.clock.phase("score"):
+            return self._score(rollout, sampled, shaping, baselines, measure_gap)
+
+    def _score(
+        self, rollout, sampled, shaping: Shaping, baselines, measure_gap: bool
+    ) -> Experience:
+        """The rollout scored by the four models (old log-probs, reference, values, reward)."""
+        models = self.models
         device = model_device(models.actor)
         exp = make_experience(
             rollout,
@@ -636,14 +645,19 @@ class Collector:
         """ReMax's baselines: (B x group_size,) the reward of a greedy answer to each prompt
         (scored, normalised and penalised as the sampled answers are), repeated over the
         prompt's group; and the greedy answers' token count."""
-        rollout = self.rollouts.generate(prompt_ids, replace(self.sampling, greedy=True))
-        device = model_device(self.models.actor)
-        sequences, attention_mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
-        answer_mask = rollout.response_mask.to(device)
-        short = answer_mask.sum(-1) < shaping.min_response_tokens
-        unterminated = ~rollout.ended.to(device)
-        scores = normalised_scores(self.models.reward, sequences, attention_mask, rollout, shaping)
-        baselines = outcome_rewards(
-            scores, short, unterminated, episode_tokens(rollout).to(device), shaping
-        )
+        with self.clock.phase("generate"):
+            rollout = self.rollouts.generate(prompt_ids, replace(self.sampling, greedy=True))
+        with self.clock.phase("score"):
+            device = model_device(self.models.actor)
+            sequences = rollout.sequences.to(device)
+            attention_mask = rollout.attention_mask.to(device)
+            answer_mask = rollout.response_mask.to(device)
+            short = answer_mask.sum(-1) < shaping.min_response_tokens
+            unterminated = ~rollout.ended.to(device)
+            scores = normalised_scores(
+                self.models.reward, sequences, attention_mask, rollout, shaping
+            )
+            baselines = outcome_rewards(
+                scores, short, unterminated, episode_tokens(rollout).to(device), shaping
+            )
         return baselines.repeat_interleave(shaping.group_size), int(answer_mask.sum())

@@ -88,6 +88,11 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             # answer tokens the rollouts generated, all ranks (since the last resume)
             "perf/gen_tokens": all_reduce_sum(float(gen_speed.tokens))[0],
             "perf/s_per_iter": (gen_speed.seconds + s.train_speed.seconds) / steps,
+            # each phase's mean seconds an iteration (since the last resume)
+            **{
+                f"perf/{name}_s": s.collect.clock.totals.get(name, 0.0) / steps
+                for name in (*PHASES, "other")
+            },
             "eval/hacking_warnings": s.evaluator.warnings,
         },
     )
@@ -225,7 +230,7 @@ def iteration(s: PPOSetup) -> dict[str, float]:
     (DAPO's dynamic sampling refilling groups of equal rewards), the advantages whitened where
     the estimator asks, the PPO epochs, the EMA, the updated weights to the decoder, the KL
     coefficient; returns the iteration's metrics (collective)."""
-    cfg, ppo, state = s.cfg, s.cfg.ppo, s.run.state
+    cfg, ppo, state, clock = s.cfg, s.cfg.ppo, s.run.state, s.collect.clock
     started = time.perf_counter()
     rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
     batches = s.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
@@ -256,16 +261,21 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         experiences = whiten_advantages(experiences)
 
     s.train_speed.start()
-    update_stats = ppo_update(s.models, experiences, cfg, state, s.ptx, s.run.guard, s.kl.value)
+    with clock.phase("update"):
+        update_stats = ppo_update(s.models, experiences, cfg, state, s.ptx, s.run.guard, s.kl.value)
     # samples: the answers the update trains on (a group method's n per prompt)
     answers = s.plan.global_batch_size * ppo.num_samples_per_prompt
     s.train_speed.stop(update_stats.pop("tokens"), answers)
     rollout_stats = rollout_metrics(experiences)
     if s.ema is not None:
         s.ema.update(s.models.actor.module)
-    sync_seconds = s.rollouts.sync()  # vLLM: the updated actor's weights
+    with clock.phase("sync"):
+        s.rollouts.sync()  # vLLM: the updated actor's weights
     s.kl.update(rollout_stats["ppo/kl"], s.plan.global_batch_size)
     state.advance(s.plan.steps_per_epoch, s.plan.global_batch_size, 0)
+    seconds = time.perf_counter() - started
+    split = phase_split(clock.take(), seconds)
+    clock.add("other", split["perf/other_s"])
     return {
         **rollout_stats,
         **group_stats,
@@ -275,11 +285,22 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         **update_stats,
         "ppo/kl_coef": s.kl.value,
         "ppo/skipped_updates": s.run.guard.skipped,
-        "perf/s_per_iter": time.perf_counter() - started,
+        "perf/s_per_iter": seconds,
+        **split,
         "perf/gen_tokens_per_s": s.collect.speed.metrics()["perf/tokens_per_s"],
         **s.train_speed.metrics(),
-        **({"perf/weight_sync_s": sync_seconds} if sync_seconds is not None else {}),
     }
+
+
+PHASES = ("generate", "score", "update", "sync")
+
+
+def phase_split(phases: dict[str, float], seconds: float) -> dict[str, float]:
+    """``perf/<phase>_s`` for generation, scoring (old log-probs, reference, values, reward),
+    the update (forward, backward, step of actor and critic) and the weight push, and
+    ``perf/other_s``: the rest of ``seconds`` (shaping, whitening, EMA, metrics)."""
+    split = {f"perf/{name}_s": phases.get(name, 0.0) for name in PHASES}
+    return {**split, "perf/other_s": seconds - sum(split.values())}
 
 
 def multi_turn(s: PPOSetup) -> bool:

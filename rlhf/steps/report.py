@@ -71,7 +71,21 @@ def headline_rows(step: str, summary: dict[str, Any]) -> list[tuple[str, str]]:
             change = _show(after - before)
             sign = "+" if not change.startswith("-") else ""
             rows.append((label, f"{_show(before)} -> {_show(after)} ({sign}{change})"))
-    return rows
+    split = iteration_split(summary)
+    return [*rows, split] if split is not None else rows
+
+
+SPLIT = ("generate", "score", "update", "sync", "other")  # a PPO iteration's parts (perf/<part>_s)
+
+
+def iteration_split(summary: dict[str, Any]) -> tuple[str, str] | None:
+    """('time an iteration', 'S s: generate P%, ...') from an RL step's mean parts."""
+    parts = [_number(summary.get(f"perf/{part}_s")) for part in SPLIT]
+    if any(part is None for part in parts) or sum(parts) <= 0:
+        return None
+    total = sum(parts)
+    shares = ", ".join(f"{name} {part / total:.0%}" for name, part in zip(SPLIT, parts))
+    return ("time an iteration", f"{_show(total)} s: {shares}")
 
 
 def alarms(step: str, summary: dict[str, Any]) -> list[str]:
