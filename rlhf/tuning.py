@@ -23,6 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf.paths import looks_local
+
 # the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
 # real model has so few; tests/test_config_flow.py checks it against a built tiny model
 TINY_VOCAB_SIZE = 1280
@@ -57,7 +59,7 @@ def tiny_model(path: str | None, name: str) -> bool:
                 return json.load(f).get("vocab_size") == TINY_VOCAB_SIZE
         except (OSError, ValueError):
             return False  # no readable config.json: the model checks say so
-    return path.startswith(("/", "./", "../", "~")) and name == "tiny"
+    return looks_local(path) and name == "tiny"
 
 
 def settle(cfg: DictConfig) -> None:

@@ -42,6 +42,7 @@ from rlhf.config import (
     unknown_keys,
 )
 from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
+from rlhf.paths import looks_local
 from rlhf.rl.vllm_engine import vllm_problem
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
@@ -289,7 +290,7 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
     """Local model directories that do not exist (a hub id is checked when it loads)."""
 
     def missing(path: str | None) -> bool:
-        if path is None or not _looks_local(path):
+        if path is None or not looks_local(path):
             return False
         full = Path(path).expanduser().resolve()
         return not full.is_dir() and not any(full == p.resolve() for p in produced)
@@ -310,10 +311,6 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
         for key, path in paths.items()
         if missing(path)
     ]
-
-
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
 
 
 def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
@@ -494,7 +491,7 @@ def _actor_class(config: Config) -> type | None:
     actor = config.actor.model
     produced = (
         actor.path is not None
-        and _looks_local(actor.path)
+        and looks_local(actor.path)
         and not os.path.isdir(os.path.expanduser(actor.path))
     )
     source = config.model if actor.path is None or produced else actor
@@ -655,7 +652,7 @@ def _hub_ids(config: Config) -> list[tuple[str, str, str]]:
         pairs.append(("reward.gold_policy", config.reward.gold_policy))
     if config.step.name == "ppo":
         pairs += [(f"{r}.twin_path", getattr(config, r).twin_path) for r in ("actor", "critic")]
-    out = [(key, value, "model") for key, value in pairs if value and not _looks_local(value)]
+    out = [(key, value, "model") for key, value in pairs if value and not looks_local(value)]
     for name, source in config.data.sources.items():
         if (
             source.adapter in ADAPTERS

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
-    ("rlhf.config", "rlhf.roles", "rlhf.tuning", "rlhf.dist", "rlhf.files"),
+    ("rlhf.config", "rlhf.roles", "rlhf.tuning", "rlhf.dist", "rlhf.files", "rlhf.paths"),
     ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks"),
     ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
     ("rlhf.data",),
@@ -136,3 +136,17 @@ def test_the_checker_finds_what_it_is_for(tmp_path):
     source.write_text("def f():\n    from rlhf.steps import sft\n    from . import algos\n")
     known = set(modules())
     assert imports("rlhf.probe", source, known) == {"rlhf.steps.sft", "rlhf.algos"}
+
+
+def test_one_rule_says_what_is_a_local_path(tmp_path, monkeypatch):
+    """Models, data and the embedded default's tuning read rlhf.paths; data adds file names."""
+    from rlhf.data import sources
+    from rlhf.paths import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exports").mkdir()
+    assert not looks_local("facebook/opt-1.3b")  # a hub id
+    assert looks_local("./not-yet-written") and looks_local("~/models/x")
+    assert looks_local("exports")  # relative, but it exists
+    assert not sources.looks_local("Dahoas/rm-static")
+    assert sources.looks_local("data/pairs.jsonl") and sources.looks_local("pairs.jsonl")

@@ -62,7 +62,6 @@ dataset that cannot be reached is one line naming the key and the value.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +70,7 @@ from typing import Any
 
 import datasets
 
-from rlhf import tasks
+from rlhf import paths, tasks
 from rlhf.config import ConfigError
 from rlhf.data import local
 from rlhf.data.split import train_eval_indices
@@ -334,12 +333,10 @@ GENERATED = ("toy", "task")  # adapters whose rows a task generates
 
 
 def looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id ("owner/name")."""
+    """A filesystem path rather than a hub dataset id: the models' rule (rlhf.paths), and for
+    data also a nested path or a file name (``data/pairs.jsonl``), which no hub id is."""
     return (
-        os.path.exists(os.path.expanduser(path))
-        or path.startswith(("/", "./", "../", "~"))
-        or path.count("/") > 1
-        or local.suffix(path) in _PATHLIKE_SUFFIXES
+        paths.looks_local(path) or path.count("/") > 1 or local.suffix(path) in _PATHLIKE_SUFFIXES
     )
 
 
