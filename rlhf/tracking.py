@@ -55,6 +55,7 @@ class PhaseClock:
 
     current: dict[str, float] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=dict)
+    iterations: int = 0  # taken so far (this process: a resumed run counts from its resume)
 
     @contextmanager
     def phase(self, name: str):
@@ -70,9 +71,14 @@ class PhaseClock:
 
     def take(self) -> dict[str, float]:
         taken, self.current = self.current, {}
+        self.iterations += 1
         for name, seconds in taken.items():
             self.totals[name] = self.totals.get(name, 0.0) + seconds
         return taken
+
+    def means(self) -> dict[str, float]:
+        """Each phase's mean seconds an iteration over the iterations taken."""
+        return {name: total / max(self.iterations, 1) for name, total in self.totals.items()}
 
 
 class Tracker:

@@ -90,7 +90,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "perf/s_per_iter": (gen_speed.seconds + s.train_speed.seconds) / steps,
             # each phase's mean seconds an iteration (since the last resume)
             **{
-                f"perf/{name}_s": s.collect.clock.totals.get(name, 0.0) / steps
+                f"perf/{name}_s": s.collect.clock.means().get(name, 0.0)
                 for name in (*PHASES, "other")
             },
             "eval/hacking_warnings": s.evaluator.warnings,
