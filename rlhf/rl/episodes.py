@@ -117,8 +117,8 @@ class EpisodeRollouts:
         )
         self.pad_id = tokenizer.pad_token_id
 
-    def sync(self):
-        return self.decoder.sync()
+    def sync(self) -> None:
+        self.decoder.sync()
 
     def close(self) -> None:
         self.decoder.close()

@@ -66,9 +66,8 @@ class HFRollouts:
         finally:
             self.actor.train()
 
-    def sync(self) -> float | None:
+    def sync(self) -> None:
         """Nothing to push: the actor decodes with its own weights."""
-        return None
 
     def close(self) -> None:
         pass
@@ -103,7 +102,7 @@ class ModuleRollouts:
             )
 
     def sync(self) -> None:
-        return None
+        pass
 
     def close(self) -> None:
         pass
@@ -150,10 +149,10 @@ class VLLMPath:
             prompts, self.pad_id, self.end_id, sampling, seeds=seeds, group_size=group_size
         )
 
-    def sync(self) -> float:
-        """Push the actor's current weights (ZeRO-3 gathered in buckets, LoRA merged); the
-        seconds it took (every rank gathers; each pushes into its own engine)."""
-        return self.engine.push(hf_weights(self.actor, self.zero_stage, self.bucket_bytes))
+    def sync(self) -> None:
+        """Push the actor's current weights (ZeRO-3 gathered in buckets, LoRA merged; every rank
+        gathers, each pushes into its own engine). The loop times it (perf/sync_s)."""
+        self.engine.push(hf_weights(self.actor, self.zero_stage, self.bucket_bytes))
 
     def close(self) -> None:
         self.engine.close()
