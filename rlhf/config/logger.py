@@ -7,6 +7,8 @@ from typing import Any
 
 LOGGER_BACKENDS = ("none", "wandb", "tensorboard")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+LOG_MODEL = ("none", "reference", "upload")
+TAG_LIMIT = 64  # W&B refuses a longer tag (and an empty one)
 
 
 @dataclass
@@ -19,7 +21,11 @@ class LoggerConfig:
     group: str | None = None  # null: the sweep's name in a multirun
     name: str | None = None  # null: built from the command-line overrides
     mode: str = "auto"  # W&B: auto (offline without an API key) | online | offline | disabled
-    tags: list[str] = field(default_factory=list)  # W&B tags of the run
+    # W&B tags, added to those made of the command line's overrides (step=sft, zero=stage3, ...)
+    tags: Any = field(default_factory=list)
+    # W&B: each export as a model artifact: none | reference (its path and checksums recorded,
+    # nothing uploaded) | upload (its files copied to W&B)
+    log_model: str = "reference"
     progress_bar: bool = True  # a tqdm bar on rank 0
 
     def problems(self) -> list[tuple[str, Any, str]]:
@@ -28,4 +34,20 @@ class LoggerConfig:
             out.append(("backend", self.backend, f"one of {', '.join(LOGGER_BACKENDS)}"))
         if self.mode not in WANDB_MODES:
             out.append(("mode", self.mode, f"one of {', '.join(WANDB_MODES)}"))
+        if self.log_model not in LOG_MODEL:
+            out.append(("log_model", self.log_model, f"one of {', '.join(LOG_MODEL)}"))
+        # tags is typed Any so that a value that is no list reaches this check, not Hydra's
+        if not _is_tag_list(self.tags):
+            accepted = (
+                f"a list of tags of 1 to {TAG_LIMIT} characters, as in logger.tags=[baseline,try-2]"
+            )
+            out.append(("tags", self.tags, accepted))
         return out
+
+
+def _is_tag_list(tags: Any) -> bool:
+    if not isinstance(tags, list):
+        return False
+    return all(
+        isinstance(tag, (str, int, float)) and 0 < len(str(tag)) <= TAG_LIMIT for tag in tags
+    )
