@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import netrc
 import os
 import resource
 import time
@@ -18,6 +17,16 @@ from typing import Any
 import torch
 
 from rlhf.config import LoggerConfig
+from rlhf.tracking import lineage
+from rlhf.tracking.wandb_run import (
+    HEADLINE,
+    STEP_METRIC,
+    start_wandb,
+    wandb_mode,
+    wandb_problem,
+)
+
+__all__ = ["PhaseClock", "Throughput", "Tracker", "plain", "wandb_mode", "wandb_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +101,17 @@ class Tracker:
         group: str | None = None,
         enabled: bool = True,
         resume: dict[str, Any] | None = None,
+        overrides: list[str] | None = None,
     ):
         """``resume`` (a checkpoint's :meth:`state`) continues the same W&B run and drops the
         rows logged after its checkpoint (by a killed run, or the final evaluation of a run
-        whose export failed), so the resumed run logs each of them once."""
+        whose export failed), so the resumed run logs each of them once. ``overrides``: what
+        the job changed on the command line (None: Hydra's record of it), W&B's tags."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
+        self.job_type = job_type
+        self.log_model = cfg.log_model
+        self.started = time.time()  # exports written after it are this run's (lineage)
         self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
         self._wandb = self._tensorboard = None
         self._rows: dict[str, int] = {}  # rows in each file of ROW_FILES (rank 0 writes alone)
@@ -114,7 +128,9 @@ class Tracker:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
             run_id = (resume or {}).get("wandb_id")
-            self._wandb = _start_wandb(self.run_dir, cfg, job_type, run_name, config, group, run_id)
+            self._wandb = start_wandb(
+                self.run_dir, cfg, job_type, run_name, config, group, run_id, overrides
+            )
         elif cfg.backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -138,7 +154,7 @@ class Tracker:
         self._rows["metrics.jsonl"] += 1
         self.summary_metrics.update(row)
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log({**metrics, STEP_METRIC: step})
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(key, value, step)
@@ -155,7 +171,8 @@ class Tracker:
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+            table = wandb.Table(columns=columns, data=rows)
+            self._wandb.log({name: table, STEP_METRIC: step})
 
     def summary(self, metrics: dict[str, Any]) -> None:
         self.summary_metrics.update({k: plain(v) for k, v in metrics.items()})
@@ -169,71 +186,14 @@ class Tracker:
         self._jsonl.close()
         if self._wandb is not None:
             self._wandb.summary.update(self.summary_metrics)
+            headline = {k: self.summary_metrics[k] for k in HEADLINE if k in self.summary_metrics}
+            metadata = {"run_dir": str(self.run_dir), "step": self.job_type, **headline}
+            lineage.log_exports(
+                self._wandb, self.run_dir, self.job_type, self.log_model, self.started, metadata
+            )
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-
-
-def _api_key_known() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return bool(netrc.netrc().authenticators("api.wandb.ai"))
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
-
-
-def wandb_problem(cfg: LoggerConfig) -> str | None:
-    """logger.mode=online without an API key: W&B would fail at its first request (or ask for a
-    key on a terminal); say so before anything runs."""
-    if cfg.backend != "wandb" or cfg.mode != "online" or _api_key_known():
-        return None
-    return (
-        "logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`); log in, or use "
-        "logger.mode=offline (upload later with `wandb sync`) or auto"
-    )
-
-
-def wandb_mode(requested: str) -> str:
-    """'auto' logs online when an API key is known and offline otherwise (sync later with
-    ``wandb sync``), so runs never block on a login prompt."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if _api_key_known() else "offline"
-
-
-def _start_wandb(
-    run_dir: Path,
-    cfg: LoggerConfig,
-    job_type: str,
-    run_name: str,
-    config: dict[str, Any],
-    group: str | None,
-    run_id: str | None = None,
-):
-    import wandb
-
-    mode = wandb_mode(cfg.mode)
-    if mode == "offline" and cfg.mode == "auto":
-        log.warning(
-            "W&B: no API key found, logging offline to %s (upload with `wandb sync`)",
-            run_dir / "wandb",
-        )
-    return wandb.init(
-        project=cfg.project,
-        entity=cfg.entity,
-        group=cfg.group or group,
-        job_type=job_type,
-        name=cfg.name or run_name,
-        tags=list(cfg.tags),
-        config=config,
-        dir=str(run_dir),
-        mode=mode,
-        id=run_id,
-        resume="allow" if run_id else None,
-    )
 
 
 def peak_memory_gb() -> float:

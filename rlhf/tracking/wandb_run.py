@@ -1,0 +1,176 @@
+"""A W&B run as a sweep user compares it: tags from the job's command-line overrides, the
+config resolved with a flat ``overrides`` entry, the headline metrics declared against the
+training step, and the exports it starts from declared as inputs (rlhf.tracking.lineage)."""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf.config import LoggerConfig
+from rlhf.config.logger import TAG_LIMIT
+from rlhf.tracking import lineage
+
+log = logging.getLogger(__name__)
+
+# The x axis of every chart: metrics.jsonl's own "step" column, logged in each row. W&B's
+# internal _step only grows, so a resumed run that logs its last steps again would lose them.
+STEP_METRIC = "step"
+# The metrics summary.md / summary.csv show first (rlhf/tools/sweep_summary.py's HEADLINE) and
+# the other headlines a step's report gives. summary.json keeps each one's final value (the final
+# evaluation is logged last), which is W&B's own summary rule; an explicit summary="last" would
+# nest the value as <key>.last, a column summary.csv does not have, so none is passed.
+HEADLINE = (
+    "eval/loss",
+    "eval/ppl",
+    "eval/accuracy",
+    "eval/chosen_score",
+    "eval/rejected_score",
+    "eval/reward",
+    "eval/kl",
+    "eval/gold_accuracy",
+    "eval/gold_accuracy_sampled",
+    "eval/gold_correct",
+    "eval/gold_clean",
+    "train/loss",
+    "perf/tokens_per_s",
+    "perf/gen_tokens_per_s",
+    "perf/peak_mem_gb",
+)
+# Overrides that say where a job writes or how it is tracked, not what it trains: in the
+# config's ``overrides`` entry, never tags
+UNTAGGED = ("hydra", "logger", "run_dir", "cache_dir", "data.cache_dir")
+
+
+def job_overrides() -> list[str]:
+    """This job's command-line overrides (a sweep's job: its own values too); none outside a
+    Hydra app (a test, a tool)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(o) for o in HydraConfig.get().overrides.task]
+
+
+def changed_keys(overrides: list[str]) -> dict[str, str]:
+    """``{key: value}`` of ``key=value`` overrides, ``+`` dropped; deletions (``~key``) and
+    Hydra's own keys (run and sweep dirs, the launcher) left out."""
+    out = {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        key = key.lstrip("+")
+        if sep and not key.startswith("~") and not _is_under(key, ("hydra",)):
+            out[key] = value
+    return out
+
+
+def run_tags(changed: dict[str, str], job_type: str, user_tags: list) -> list[str]:
+    """``step=<job type>`` (step=all's sub-runs: their own step), a short ``key=value`` for each
+    other changed key, then the user's ``logger.tags``; each once."""
+    tags = [short_tag(k, v) for k, v in changed.items() if k != "step" and not _untagged(k)]
+    return list(dict.fromkeys([f"step={job_type}", *tags, *map(str, user_tags)]))
+
+
+def short_tag(key: str, value: str) -> str:
+    """``key=value`` within W&B's tag limit: a long value keeps its end (a path's last parts
+    tell exports apart, its first parts are alike)."""
+    tag = f"{key}={value}"
+    if len(tag) <= TAG_LIMIT:
+        return tag
+    room = TAG_LIMIT - len(key) - len("=...")
+    if room < 8:  # a long key too: its start, cut
+        return tag[: TAG_LIMIT - 3] + "..."
+    return f"{key}=...{value[-room:]}"
+
+
+def _untagged(key: str) -> bool:
+    return _is_under(key, UNTAGGED)
+
+
+def _is_under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """``key`` is one of ``prefixes`` or below one (``hydra.run.dir``, ``hydra/launcher``)."""
+    return any(key == p or key.startswith((f"{p}.", f"{p}/")) for p in prefixes)
+
+
+def declare_metrics(run) -> None:
+    """Every metric against the step metric, the headlines by name, so the run table and the
+    charts read as metrics.jsonl and summary.json do."""
+    run.define_metric(STEP_METRIC)
+    run.define_metric("*", step_metric=STEP_METRIC)
+    for key in HEADLINE:
+        run.define_metric(key, step_metric=STEP_METRIC)
+
+
+def start_wandb(
+    run_dir: Path,
+    cfg: LoggerConfig,
+    job_type: str,
+    run_name: str,
+    config: dict[str, Any],
+    group: str | None,
+    run_id: str | None = None,
+    overrides: list[str] | None = None,
+):
+    """The run: ``config`` (resolved, nested) plus ``overrides`` (what the job changed, flat)
+    and ``inputs`` (the logged exports it starts from); tagged, its metrics declared, its
+    inputs used. ``overrides``: the command line's (None: Hydra's, see job_overrides)."""
+    import wandb
+
+    mode = wandb_mode(cfg.mode)
+    if mode == "offline" and cfg.mode == "auto":
+        log.warning(
+            "W&B: no API key found, logging offline to %s (upload with `wandb sync`)",
+            run_dir / "wandb",
+        )
+    changed = changed_keys(job_overrides() if overrides is None else overrides)
+    inputs = lineage.inputs(config)
+    extra = {"overrides": changed, **({"inputs": lineage.named(inputs)} if inputs else {})}
+    run = wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group or group,
+        job_type=job_type,
+        name=cfg.name or run_name,
+        tags=run_tags(changed, job_type, cfg.tags),
+        config={**config, **extra},
+        dir=str(run_dir),
+        mode=mode,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
+    declare_metrics(run)
+    lineage.use_inputs(run, inputs, run_dir)
+    return run
+
+
+def _api_key_known() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_problem(cfg: LoggerConfig) -> str | None:
+    """logger.mode=online without an API key: W&B would fail at its first request (or ask for a
+    key on a terminal); say so before anything runs."""
+    if cfg.backend != "wandb" or cfg.mode != "online" or _api_key_known():
+        return None
+    return (
+        "logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`); log in, or use "
+        "logger.mode=offline (upload later with `wandb sync`) or auto"
+    )
+
+
+def wandb_mode(requested: str) -> str:
+    """'auto' logs online when an API key is known and offline otherwise (sync later with
+    ``wandb sync``), so runs never block on a login prompt."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if _api_key_known() else "offline"
