@@ -1,0 +1,395 @@
+"""W&B as a sweep user reads it: tags and a flat ``overrides`` entry from the command line, the
+headline metrics against the step metric (the run table shows summary.json's values), each
+export a model artifact and each export a run starts from an input. What rlhf hands to the W&B
+client is recorded in place of ``wandb.init`` (no account, no network); one real offline run is
+read back from the file ``wandb sync`` uploads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import wandb
+
+from rlhf.config import ConfigError, LoggerConfig, register_configs
+from rlhf.tools import declare_inputs
+from rlhf.tools.sweep_summary import HEADLINE as TABLE_HEADLINE
+from rlhf.tracking import Tracker, lineage
+from rlhf.tracking.wandb_run import HEADLINE, STEP_METRIC, changed_keys, run_tags, short_tag
+from rlhf.validate import validated
+from tests.conftest import compose
+
+register_configs()  # the schema Hydra composes against, as the entry point registers it
+
+SWEEP_JOB = [
+    "zero=stage3",
+    "lora=r8",
+    "algo=grpo",
+    "seed=2",
+    "+optim.extra=1",
+    "hydra.run.dir=/tmp/x",
+    "hydra/launcher=basic",
+    "logger=wandb",
+    "cache_dir=/tmp/cache",
+]
+
+
+# --- a recorder in place of the W&B client ---------------------------------------------------
+
+
+class FakeRun:
+    """The calls rlhf makes on a run, in order, as (method, args...)."""
+
+    missing: frozenset[str] = frozenset()  # use_artifact raises for these names (not logged)
+
+    def __init__(self, calls: list, offline: bool, run_id: str = "abc123"):
+        self.calls, self.offline, self.id = calls, offline, run_id
+        self.project, self.entity, self.disabled = "rlhf", "" if offline else "team", False
+        self.summary = FakeSummary(calls)
+
+    def define_metric(self, name, **options):
+        self.calls.append(("define_metric", name, options))
+
+    def log(self, row, **options):
+        self.calls.append(("log", row, options))
+
+    def log_artifact(self, artifact, aliases=None):
+        self.calls.append(("log_artifact", artifact, aliases))
+
+    def use_artifact(self, name, type=None):
+        if name in self.missing:
+            raise wandb.errors.CommError(f"artifact {name} not found")
+        self.calls.append(("use_artifact", name, type))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+class FakeSummary(dict):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def update(self, values):
+        self.calls.append(("summary", dict(values)))
+        super().update(values)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """wandb.init's keyword arguments ("init", kwargs) and then the run's calls."""
+    calls: list = []
+    runs: list[FakeRun] = []
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        runs.append(FakeRun(calls, offline=kwargs.get("mode") == "offline"))
+        return runs[-1]
+
+    monkeypatch.setattr(wandb, "init", init)
+    return calls, runs
+
+
+def of(calls: list, method: str) -> list:
+    return [c[1:] for c in calls if c[0] == method]
+
+
+def tracker(run_dir: Path, overrides=(), config=None, job="sft", **logger) -> Tracker:
+    cfg = LoggerConfig(backend="wandb", mode=logger.pop("mode", "online"), **logger)
+    return Tracker(run_dir, cfg, job, "run", config or {"zero": {"stage": 3}}, "g", True, None,
+                   list(overrides))  # fmt: skip
+
+
+def write_export(run_dir: Path, name: str = "model") -> Path:
+    export = run_dir / name
+    export.mkdir(parents=True, exist_ok=True)
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"weights")
+    return export
+
+
+# --- 1. tags and the overrides entry -----------------------------------------------------------
+
+
+def test_tags_are_the_jobs_changes_in_short_form_plus_the_users():
+    changed = changed_keys(SWEEP_JOB)
+    assert "hydra.run.dir" not in changed and "hydra/launcher" not in changed
+    assert changed["optim.extra"] == "1"  # "+" is how the key was added, not its name
+    tags = run_tags(changed, "ppo", ["baseline", "zero=stage3"])
+    assert tags == ["step=ppo", "zero=stage3", "lora=r8", "algo=grpo", "seed=2",
+                    "optim.extra=1", "baseline"]  # fmt: skip
+    # step=all's sub-run: its own step, not the command line's
+    assert run_tags(changed_keys(["step=all", "seed=3"]), "reward", []) == [
+        "step=reward",
+        "seed=3",
+    ]
+
+
+def test_a_long_value_keeps_its_end_within_the_tag_limit():
+    path = "/scratch/team/outputs/all/2024-05-01_12-00-00/zero=stage3,lora=r8/sft/model"
+    tag = short_tag("actor.model.path", path)
+    assert len(tag) <= 64 and tag.startswith("actor.model.path=...") and tag.endswith("sft/model")
+    assert short_tag("a" * 70, "b") == "a" * 61 + "..."
+    assert short_tag("zero", "stage3") == "zero=stage3"
+
+
+def test_the_run_gets_tags_the_nested_config_and_a_flat_overrides_entry(tmp_path, recorder):
+    calls, _ = recorder
+    config = {"zero": {"stage": 3, "offload": False}, "lora": {"rank": 8}}
+    t = tracker(tmp_path, SWEEP_JOB, config, job="reward", tags=["mine"])
+    [(init,)] = of(calls, "init")
+    assert init["tags"][:3] == ["step=reward", "zero=stage3", "lora=r8"] and "mine" in init["tags"]
+    assert not any(tag.startswith(("logger", "cache_dir")) for tag in init["tags"])
+    assert init["config"]["zero"] == {"stage": 3, "offload": False}  # nested, as resolved
+    assert init["config"]["overrides"]["zero"] == "stage3"
+    assert init["config"]["overrides"]["cache_dir"] == "/tmp/cache"  # not a tag, still a change
+    assert init["job_type"] == "reward" and init["group"] == "g"
+    t.close()
+
+
+# --- 2. the headline metrics -------------------------------------------------------------------
+
+
+def test_metrics_are_logged_against_the_step_metric_and_the_headlines_declared(tmp_path, recorder):
+    calls, _ = recorder
+    t = tracker(tmp_path)
+    t.log({"train/loss": 2.0}, step=3)
+    t.log_table("eval/samples", ["prompt"], [["hi"]], step=3)
+    defined = {name: options for name, options in of(calls, "define_metric")}
+    assert defined[STEP_METRIC] == {} and defined["*"] == {"step_metric": STEP_METRIC}
+    for key in HEADLINE:
+        # no summary=: W&B's own rule (last, under the key itself) is summary.json's
+        assert defined[key] == {"step_metric": STEP_METRIC}, key
+    rows = of(calls, "log")
+    assert rows[0] == ({"train/loss": 2.0, STEP_METRIC: 3}, {})  # no step=: W&B's _step only grows
+    assert rows[1][0][STEP_METRIC] == 3 and "eval/samples" in rows[1][0]
+    t.close()
+
+
+def test_every_column_the_sweep_table_shows_first_is_declared():
+    assert set(TABLE_HEADLINE) <= set(HEADLINE)
+
+
+def test_the_summary_w_and_b_gets_is_summary_json(tmp_path, recorder):
+    calls, _ = recorder
+    t = tracker(tmp_path)
+    t.log({"eval/loss": 3.0}, step=0)
+    t.log({"eval/loss": 2.5, "train/loss": 2.7}, step=4)
+    t.summary({"perf/peak_mem_gb": 1.5, "initial/eval/loss": 3.0})
+    t.close()
+    written = json.loads((tmp_path / "summary.json").read_text())
+    [(summary,)] = of(calls, "summary")
+    assert summary == written and written["eval/loss"] == 2.5
+    assert calls.index(("finish",)) > calls.index(("summary", summary))
+
+
+# --- 3. lineage --------------------------------------------------------------------------------
+
+
+def test_exports_are_logged_as_model_artifacts_by_reference(tmp_path, recorder):
+    calls, _ = recorder
+    t = tracker(tmp_path, job="ppo")
+    actor, critic = write_export(tmp_path, "actor"), write_export(tmp_path, "critic")
+    t.summary({"eval/reward": 0.5})
+    t.close()
+    logged = {artifact.name: (artifact, aliases) for artifact, aliases in of(calls, "log_artifact")}
+    assert set(logged) == {"ppo-actor-abc123", "ppo-critic-abc123"}
+    artifact, aliases = logged["ppo-actor-abc123"]
+    assert artifact.type == "model" and aliases == ["latest"]
+    entries = artifact.manifest.entries
+    assert {e.ref for e in entries.values()} == {
+        (actor / "config.json").as_uri(),
+        (actor / "model.safetensors").as_uri(),
+    }  # references: the paths and checksums, no copy
+    assert artifact.metadata["eval/reward"] == 0.5 and artifact.metadata["export"] == "actor"
+    marker = json.loads((tmp_path / lineage.MARKER).read_text())
+    assert marker["critic"] == {"name": "ppo-critic-abc123", "project": "rlhf", "entity": "team"}
+    assert critic.is_dir()
+
+
+def test_log_model_upload_adds_the_files_and_none_logs_nothing(tmp_path, recorder, monkeypatch):
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    calls, _ = recorder
+    t = tracker(tmp_path / "up", log_model="upload")
+    write_export(tmp_path / "up")
+    t.close()
+    [(artifact, _)] = of(calls, "log_artifact")
+    assert all(e.ref is None for e in artifact.manifest.entries.values())  # files, uploaded
+    assert set(artifact.manifest.entries) == {"config.json", "model.safetensors"}
+    calls.clear()
+    t = tracker(tmp_path / "none", log_model="none")
+    write_export(tmp_path / "none")
+    t.close()
+    assert of(calls, "log_artifact") == [] and not (tmp_path / "none" / lineage.MARKER).exists()
+
+
+def test_an_export_an_earlier_run_left_is_not_this_runs_output(tmp_path, recorder):
+    calls, _ = recorder
+    old = write_export(tmp_path)
+    os.utime(old / "config.json", (1_000_000, 1_000_000))
+    tracker(tmp_path).close()
+    assert of(calls, "log_artifact") == []
+
+
+def test_a_vanished_export_is_a_warning_and_the_run_completes(
+    tmp_path, recorder, monkeypatch, caplog
+):
+    t = tracker(tmp_path)
+    monkeypatch.setattr(lineage, "exports_written", lambda *_: ["model"])  # listed, then gone
+    with caplog.at_level(logging.WARNING):
+        t.close()
+    assert (tmp_path / "summary.json").is_file()
+    assert any("not logged as an artifact" in r.message for r in caplog.records)
+    assert not (tmp_path / lineage.MARKER).exists()
+
+
+def sft_run(tmp_path: Path, recorder) -> Path:
+    """An SFT run that logged its export; returns the export."""
+    run_dir = tmp_path / "sft"
+    t = tracker(run_dir)
+    export = write_export(run_dir)
+    t.close()
+    recorder[0].clear()
+    return export
+
+
+def test_a_run_that_starts_from_a_logged_export_uses_it(tmp_path, recorder):
+    sft = sft_run(tmp_path, recorder)
+    calls, _ = recorder
+    config = {"actor": {"model": {"path": str(sft)}}, "critic": {"model": {"path": str(sft)}}}
+    tracker(tmp_path / "ppo", config=config, job="ppo").close()
+    [(init,)] = of(calls, "init")
+    assert init["config"]["inputs"] == {
+        "actor.model.path": "sft-model-abc123",
+        "critic.model.path": "sft-model-abc123",
+    }
+    # once, fully named (the producer's entity and project)
+    assert of(calls, "use_artifact") == [("team/rlhf/sft-model-abc123:latest", "model")]
+
+
+def test_a_path_that_no_run_logged_is_no_input(tmp_path, recorder):
+    calls, _ = recorder
+    plain = write_export(tmp_path / "downloaded")
+    config = {"model": {"path": str(plain)}, "data": {"name": str(plain)}}
+    tracker(tmp_path / "run", config=config).close()
+    assert of(calls, "use_artifact") == [] and "inputs" not in of(calls, "init")[0][0]["config"]
+
+
+def test_an_input_w_and_b_cannot_find_is_a_warning(tmp_path, recorder, monkeypatch, caplog):
+    sft = sft_run(tmp_path, recorder)
+    monkeypatch.setattr(FakeRun, "missing", frozenset({"team/rlhf/sft-model-abc123:latest"}))
+    with caplog.at_level(logging.WARNING):
+        tracker(tmp_path / "dpo", config={"model": {"path": str(sft)}}, job="dpo").close()
+    assert any("not declared" in r.message for r in caplog.records)
+    assert (tmp_path / "dpo" / "summary.json").is_file()
+
+
+# --- 6. offline --------------------------------------------------------------------------------
+
+
+def test_offline_the_inputs_wait_for_sync_and_declare_inputs_declares_them(tmp_path, recorder):
+    sft = sft_run(tmp_path, recorder)
+    calls, _ = recorder
+    run_dir = tmp_path / "reward"
+    tracker(run_dir, config={"model": {"path": str(sft)}}, job="reward", mode="offline").close()
+    assert of(calls, "use_artifact") == []  # W&B refuses it offline
+    pending = json.loads((run_dir / lineage.PENDING).read_text())
+    assert pending["id"] == "abc123" and pending["inputs"][0]["name"] == "sft-model-abc123"
+    calls.clear()
+    assert declare_inputs.main([str(tmp_path)]) == 0
+    [(init,)] = of(calls, "init")
+    assert init["id"] == "abc123" and init["resume"] == "must" and init["mode"] == "online"
+    assert of(calls, "use_artifact") == [("team/rlhf/sft-model-abc123:latest", "model")]
+    assert not (run_dir / lineage.PENDING).exists()  # declared once
+    assert declare_inputs.pending_files([tmp_path]) == []
+
+
+def read_records(path: Path):
+    """The records of a W&B transaction log (what ``wandb sync`` uploads): a 7-byte header, then
+    LevelDB-log blocks of 32 KiB whose chunks (7-byte header: crc, length, type) join into
+    protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or a record's last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, monkeypatch):
+    """The real client offline: tags, the overrides entry, the step metric, the artifact by
+    reference and, as the run's final summary, summary.json's headline values."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    run_dir = tmp_path / "run"
+    t = tracker(run_dir, ["zero=stage3", "lora=r8"], mode="offline")
+    for step, loss in ((0, 3.0), (2, 2.0), (4, 2.5)):
+        t.log({"eval/loss": loss, "train/loss": loss + 0.1}, step=step)
+    export = write_export(run_dir)
+    t.summary({"perf/peak_mem_gb": 1.25})
+    t.close()
+    [log_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    records = {}
+    for record in read_records(log_file):
+        records.setdefault(record.WhichOneof("record_type"), []).append(record)
+    [run] = [r.run for r in records["run"]]
+    assert list(run.tags) == ["step=sft", "zero=stage3", "lora=r8"]
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["overrides"] == {"zero": "stage3", "lora": "r8"}
+    metrics = {m.metric.name: m.metric.step_metric for m in records["metric"] if m.metric.name}
+    assert metrics["eval/loss"] == STEP_METRIC
+    [artifact] = [a.artifact for a in records["artifact"] if a.artifact.type == "model"]
+    assert artifact.name == f"sft-model-{run.run_id}"
+    assert {c.ref for c in artifact.manifest.contents} == {
+        p.as_uri() for p in sorted(export.iterdir())
+    }
+    final: dict = {}
+    for record in records["summary"]:
+        final.update({u.key or u.nested_key[0]: u.value_json for u in record.summary.update})
+    written = json.loads((run_dir / "summary.json").read_text())
+    for key in ("eval/loss", "train/loss", "perf/peak_mem_gb", STEP_METRIC):
+        assert json.loads(final[key]) == written[key], key  # the run table is summary.csv's
+    assert written["eval/loss"] == 2.5  # the last, not the best
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "logger.log_model=full",
+            "logger.log_model='full': expected one of none, reference, upload",
+        ),
+        ("logger.tags=baseline", "logger.tags='baseline': expected a list of tags of 1 to 64"),
+        ("logger.tags=[[a,b]]", "logger.tags=[['a', 'b']]: expected a list of tags"),
+        (f"logger.tags=[{'x' * 65}]", "expected a list of tags of 1 to 64 characters"),
+    ],
+)
+def test_a_bad_logger_value_is_one_line_before_training(override, line):
+    with pytest.raises(ConfigError) as err:
+        validated(compose(["step=sft", "logger=wandb", override]))
+    [found] = [ln for ln in str(err.value).splitlines() if line in ln]
+    assert "logger.tags=[baseline,try-2]" in found or "log_model" in found
+
+
+def test_the_default_is_reference_and_good_tags_pass():
+    config = validated(compose(["step=sft", "logger=wandb", "logger.tags=[baseline,2]"]))
+    assert config.logger.log_model == "reference" and config.logger.tags == ["baseline", 2]
