@@ -21,7 +21,7 @@ from rlhf.tools.sweep_summary import HEADLINE as TABLE_HEADLINE
 from rlhf.tracking import Tracker, lineage
 from rlhf.tracking.wandb_run import HEADLINE, STEP_METRIC, changed_keys, run_tags, short_tag
 from rlhf.validate import validated
-from tests.conftest import compose
+from tests.conftest import FAST, cache_overrides, compose, run_rlhf
 
 register_configs()  # the schema Hydra composes against, as the entry point registers it
 
@@ -393,3 +393,34 @@ def test_a_bad_logger_value_is_one_line_before_training(override, line):
 def test_the_default_is_reference_and_good_tags_pass():
     config = validated(compose(["step=sft", "logger=wandb", "logger.tags=[baseline,2]"]))
     assert config.logger.log_model == "reference" and config.logger.tags == ["baseline", 2]
+
+
+@pytest.mark.slow
+def test_step_all_offline_leaves_the_pipeline_to_sync(tmp_path, cache_dir):
+    """step=all with W&B offline: each step logs its exports, and each later step records the
+    earlier ones as its inputs (reward <- SFT, PPO <- SFT and reward) for declare_inputs."""
+    run_dir = tmp_path / "run"
+    small = ["reward.gold_eval_prompts=8", "ppo.max_new_tokens=16", "ppo.eval_prompts=8"]
+    batches = ["ppo.per_device_generation_batch_size=8", "ppo.per_device_training_batch_size=8"]
+    fast = [o for o in FAST if not o.startswith("data.sources.toy.num_rows")]
+    run_rlhf(
+        ["step=all", "logger=wandb", "logger.mode=offline", "step.max_steps=2",
+         "data.sources.toy.num_rows=320", *fast, *small, *batches, *cache_overrides(cache_dir)],
+        run_dir=run_dir,
+        extra_env={"WANDB_MODE": "offline", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    logged = {
+        step: json.loads((run_dir / step / lineage.MARKER).read_text())
+        for step in ("sft", "reward", "ppo")
+    }
+    assert set(logged["ppo"]) == {"actor", "critic"}
+    inputs = {
+        step: {ref["name"] for ref in json.loads((run_dir / step / lineage.PENDING).read_text())["inputs"]}
+        for step in ("reward", "ppo")
+    }  # fmt: skip
+    assert inputs["reward"] == {logged["sft"]["model"]["name"]}
+    assert inputs["ppo"] == {logged["sft"]["model"]["name"], logged["reward"]["model"]["name"]}
+    for step in ("sft", "reward", "ppo"):
+        [log_file] = (run_dir / step).glob("wandb/offline-run-*/run-*.wandb")
+        [run] = [r.run for r in read_records(log_file) if r.WhichOneof("record_type") == "run"]
+        assert f"step={step}" in run.tags and "data.sources.toy.num_rows=320" in run.tags
