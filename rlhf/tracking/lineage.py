@@ -24,6 +24,8 @@ PENDING = "wandb_inputs.json"  # in an offline run's dir: the inputs to declare 
 EXPORTS = ("model", "actor", "critic", "actor_ema")  # the export directories a step writes
 BEST = ()  # exports that are a best-so-far copy (alias `best`); no step writes one yet
 ARTIFACT_TYPE = "model"
+# a shared file system stamps files with its own clock, which may lag this node's a little
+CLOCK_SLACK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def exports_written(run_dir: Path, since: float) -> list[str]:
     out = []
     for name in EXPORTS:
         config = run_dir / name / "config.json"
-        if config.is_file() and config.stat().st_mtime >= since:
+        if config.is_file() and config.stat().st_mtime >= since - CLOCK_SLACK_S:
             out.append(name)
     return out
 
