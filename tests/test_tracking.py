@@ -337,6 +337,10 @@ def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    # wandb.init leaves its service's address in os.environ; unset again after this test, or every
+    # rlhf process a later test of this worker starts joins that service, where a resumed run's id
+    # is still "in use" by the killed run before it
+    monkeypatch.setenv("WANDB_SERVICE", "")
     run_dir = tmp_path / "run"
     t = tracker(run_dir, ["zero=stage3", "lora=r8"], mode="offline")
     for step, loss in ((0, 3.0), (2, 2.0), (4, 2.5)):
