@@ -43,6 +43,7 @@ from rlhf.config import (
 )
 from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
 from rlhf.paths import looks_local
+from rlhf.rl.experience import off_policy_reasons
 from rlhf.rl.vllm_engine import vllm_problem
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
@@ -346,6 +347,13 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
                         f"checks {tasks_named} answers; {', '.join(others)} are not {tasks_named})",
                     )
                 )
+    if ppo.on_policy_shortcut:
+        reasons = off_policy_reasons(config)
+        if ppo.rollout_logprobs:
+            reasons.append("ppo.rollout_logprobs=true takes them from the sampling pass")
+        if reasons:
+            why = f"null or false here: not exactly on-policy ({'; '.join(reasons)})"
+            out.append(("ppo.on_policy_shortcut", True, why))
     if ppo.rollout_engine == "vllm" and config.actor.hybrid_engine:
         why = "false with ppo.rollout_engine=vllm (vLLM decodes the rollouts)"
         out.append(("actor.hybrid_engine", True, why))

@@ -264,6 +264,36 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
         assert zero3[key] == pytest.approx(zero0[key], rel=1e-3, abs=1e-6), key
 
 
+SHORTCUT_KEYS = ("ppo/reward", "ppo/actor_loss", "ppo/kl", "ppo/kl_loss", "ppo/entropy")
+
+
+def test_grpo_with_the_on_policy_shortcut_matches_the_scoring_forward(
+    pipeline, cache_dir, tmp_path
+):
+    """GRPO, one optimizer step a rollout on 2 ranks: the old log-probs from the update's forward
+    (ppo.on_policy_shortcut) give the run that scoring them first gives, three iterations long."""
+    base = [
+        *_ppo(pipeline, cache_dir),
+        *[o for o in PARITY if o != "ppo.greedy=true"],  # a group of greedy answers teaches nothing
+        "algo=grpo",
+        "ppo.per_device_generation_batch_size=2",  # 2 prompts x 4 answers: one step of 8 rows
+        "ppo.rollout_logprobs=false",
+    ]
+    runs = {}
+    for shortcut in ("true", "false"):
+        run_dir = tmp_path / shortcut
+        overrides = [*base, f"ppo.on_policy_shortcut={shortcut}"]
+        run_rlhf(overrides, run_dir=run_dir, nproc=2, extra_env=ONE_THREAD)
+        rows = _rows(run_dir, "ppo/reward")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        runs[shortcut] = {key: [r[key] for r in rows] for key in SHORTCUT_KEYS}
+        plan = (run_dir / "__main__.log").read_text()
+        assert ("old log-probs: the update's own forward" in plan) == (shortcut == "true")
+    assert any(v != 0 for v in runs["false"]["ppo/actor_loss"])  # real numbers compared
+    for key in SHORTCUT_KEYS:
+        assert runs["true"][key] == pytest.approx(runs["false"][key], rel=1e-4, abs=1e-6), key
+
+
 def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_path):
     sft = pipeline / "sft" / "model"
     overrides = [

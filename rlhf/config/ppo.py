@@ -66,6 +66,11 @@ class PPOConfig:
     # with actor.hybrid_engine, whose inference kernels differ too, and with a KL estimator that
     # reads the logits (kl_estimator=full)
     rollout_logprobs: bool | None = None
+    # old log-probs from the update's own forward, detached, with no scoring pass for them: exact
+    # when the update is the first and only optimizer step on this rollout (one epoch, one step,
+    # the KL out of the reward: rlhf.rl.experience.off_policy_reasons).
+    # null: on exactly then, where they would be recomputed; true: refused where not exact
+    on_policy_shortcut: bool | None = None
     # PPO iterations between measurements of the sampler / trainer log-prob gap
     # (ppo/logprob_diff_mean, ppo/logprob_diff_max: |sampled - training forward's| per answer
     # token), a second actor forward where rollout_logprobs is on; 0: never

@@ -7,6 +7,7 @@ log-probs and values are sliced ``[:, start:]`` (values: the state before each r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -218,17 +219,21 @@ def make_experience(
     shaping: Shaping,
     device: torch.device,
     baselines: torch.Tensor | None = None,
+    old_from_update: bool = False,
 ) -> Experience:
     """Score a rollout with the four models (three without a critic: ``critic`` None) and
     compute rewards and advantages (``baselines``: (B,) ReMax's greedy-answer rewards). The old
-    log-probs are the rollout's own when it carries them, else a forward of the actor.
+    log-probs are the rollout's own when it carries them, else a forward of the actor; with
+    ``old_from_update`` (ppo.on_policy_shortcut) neither: they and the KL stay NaN until the
+    update's forward fills them (:func:`with_update_kl`).
 
     The trained models are switched to eval mode at the module, not the DeepSpeed engine: the
     hybrid engine's ``engine.eval()`` swaps in its inference kernels, and the old log-probs
     must come from the training kernels the update uses. (Every dropout of a trained PPO model
     is 0, rlhf.validate checks it, so eval and train mode compute the same function.)"""
     with eval_modules(*(m for m in (actor, critic) if m is not None)):
-        return _score(rollout, actor, reference, critic, reward_model, shaping, device, baselines)
+        models = (actor, reference, critic, reward_model)
+        return _score(rollout, *models, shaping, device, baselines, old_from_update)
 
 
 def _score(
@@ -240,6 +245,7 @@ def _score(
     shaping: Shaping,
     device: torch.device,
     baselines: torch.Tensor | None,
+    old_from_update: bool,
 ) -> Experience:
     sequences = rollout.sequences.to(device)
     attention_mask = rollout.attention_mask.to(device)
@@ -263,11 +269,11 @@ def _score(
         truncation=shaping.truncation,
     )
     exact_kl = kl_needs_logits(shaping.kl_estimator)  # both models' (B, R, V) logits
-    old_logits = None
+    old_logprobs = old_logits = None
     # the sampling pass computed them, but keeps no distributions for an exact KL
-    if rollout.logprobs is not None and not exact_kl:
+    if rollout.logprobs is not None and not exact_kl and not old_from_update:
         old_logprobs = rollout.logprobs.to(device)
-    else:
+    elif not old_from_update:
         old_logprobs, old_logits = response_logprobs(
             actor, sequences, attention_mask, start, **logprob_args
         )
@@ -275,6 +281,8 @@ def _score(
     ref_logprobs, ref_logits = response_logprobs(
         reference, sequences, attention_mask, start, **reference_args(logprob_args)
     )
+    if old_from_update:  # NaN: whatever reads them before the update cannot pass unseen
+        old_logprobs = torch.full_like(ref_logprobs, math.nan)
     token_kl = None
     if exact_kl:
         token_kl = per_token_kl(
@@ -290,7 +298,8 @@ def _score(
     outcomes = outcome_rewards(scores, short, unterminated, episode_tokens(rollout), shaping)
     rewards, kl = compute_rewards(
         outcomes,
-        old_logprobs.float(),
+        # the KL is out of the reward there (off_policy_reasons): the reference stands in
+        (ref_logprobs if old_from_update else old_logprobs).float(),
         ref_logprobs.float(),
         response_mask,
         shaping.kl_coef,
@@ -298,6 +307,8 @@ def _score(
         shaping.kl_estimator,
         token_kl,
     )
+    if old_from_update:
+        kl = torch.full_like(kl, math.nan)
     batch = AdvantageInputs(rewards, outcomes, old_values, response_mask, baselines)
     advantages, returns = ESTIMATORS[shaping.estimator].compute(batch, shaping.advantage_params)
     return Experience(
@@ -405,6 +416,17 @@ def keep_varied_groups(
     return [batch], {**stats, "ppo/sampling_rounds": rounds}
 
 
+def with_update_kl(rollout: Experience, estimator: str) -> Experience:
+    """The rollout whose old log-probs an on-policy update filled (ppo.on_policy_shortcut), with
+    its per-token KL to the reference computed from them as make_experience computes it."""
+    zeros = torch.zeros_like(rollout.scores, dtype=torch.float32)
+    mask = rollout.response_mask
+    _, kl = compute_rewards(
+        zeros, rollout.old_logprobs, rollout.ref_logprobs, mask, 0.0, None, estimator
+    )
+    return rollout._replace(kl=kl)
+
+
 def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
     """Reward, KL to the reference (the configured estimator, summed over each answer), answer
     length: means over the rows of all ranks that are not short; the count of short answers and
@@ -506,9 +528,44 @@ def uses_rollout_logprobs(cfg: Config, dtype: str) -> bool:
     # full distribution, the update scores the truncated one
     if cfg.ppo.rollout_engine == "vllm" or cfg.ppo.truncates:
         return False
-    if cfg.ppo.rollout_logprobs is None:
-        return dtype == "fp32"
+    if cfg.ppo.rollout_logprobs is None:  # an asked-for shortcut serves them exactly
+        return dtype == "fp32" and not cfg.ppo.on_policy_shortcut
     return cfg.ppo.rollout_logprobs
+
+
+def off_policy_reasons(cfg: Config) -> list[str]:
+    """Why the update's own forward cannot stand in for the old log-probs (ppo.on_policy_shortcut):
+    whatever trains on the rollout after its first optimizer step, or reads the old log-probs
+    before the update. Empty: the first forward of the update is on the weights that sampled,
+    so its detached log-probs are the old ones and the ratio is 1 by construction."""
+    ppo, out = cfg.ppo, []
+    if ppo.ppo_epochs > 1:
+        out.append(f"ppo.ppo_epochs={ppo.ppo_epochs} (later epochs train on older answers)")
+    rows = ppo.per_device_generation_batch_size * ppo.generation_batches
+    rows *= ppo.num_samples_per_prompt
+    if rows > ppo.per_device_training_batch_size * ppo.grad_accum:
+        out.append(
+            f"{rows} rows a rollout, more than one optimizer step "
+            "(ppo.per_device_training_batch_size x ppo.grad_accum)"
+        )
+    if not ppo.kl_in_loss and ppo.kl_coef > 0:
+        out.append("the KL penalty in the reward reads them before the update (ppo.kl_in_loss)")
+    if kl_needs_logits(ppo.kl_estimator):
+        out.append("ppo.kl_estimator=full reads the actor's logits before the update")
+    if ppo.critic_warmup_steps > 0:
+        out.append("ppo.critic_warmup_steps: iterations without an actor forward")
+    # not reasons: ppo.ema averages the actor for its export only; ppo.rollout_correction weighs
+    # the sampler's log-probs against the old ones inside the loss, after the forward filled them
+    return out
+
+
+def uses_on_policy_shortcut(cfg: Config, rollout_logprobs: bool) -> bool:
+    """ppo.on_policy_shortcut resolved: null is on where the old log-probs would otherwise be
+    recomputed (not taken from the sampling pass) and the update is exactly on-policy."""
+    shortcut = cfg.ppo.on_policy_shortcut
+    if shortcut is None:
+        return not rollout_logprobs and not off_policy_reasons(cfg)
+    return shortcut
 
 
 @dataclass
@@ -573,6 +630,8 @@ class Collector:
     rollouts: HFRollouts | VLLMPath | EpisodeRollouts
     # keep the sampler's log-probs in each Experience for ppo.rollout_correction
     keep_sampler_logprobs: bool = False
+    # old log-probs from the update's forward (uses_on_policy_shortcut), none computed here
+    old_from_update: bool = False
     speed: Throughput = field(default_factory=Throughput)
     clock: PhaseClock = field(default_factory=PhaseClock)  # generate / score seconds
     gap: LogprobGap = field(default_factory=LogprobGap)
@@ -628,11 +687,13 @@ class Collector:
             shaping,
             device,
             baselines,
+            self.old_from_update,
         )
         if self.keep_sampler_logprobs:
             exp = exp._replace(sampler_logprobs=sampled.to(device).float())
         if measure_gap:
-            trained = exp.old_logprobs if rollout.logprobs is None else None
+            recomputed = rollout.logprobs is None and not self.old_from_update
+            trained = exp.old_logprobs if recomputed else None
             if trained is None:
                 trained = trainer_logprobs(models.actor, exp, shaping)
             self.gap.add(sampled, trained, rollout.response_mask)

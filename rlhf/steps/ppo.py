@@ -21,7 +21,7 @@ import torch
 from transformers import set_seed
 
 from rlhf import registry
-from rlhf.config import Config, ConfigError
+from rlhf.config import Config, ConfigError, PPOConfig
 from rlhf.data.pipeline import TASK, phase_dataset
 from rlhf.data.sampling import EpochPlan
 from rlhf.dist import all_reduce_sum, rank, world_size
@@ -33,11 +33,14 @@ from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRollouts, episode_environment
 from rlhf.rl.experience import (
     Collector,
+    concat,
     correction_metrics,
     keep_varied_groups,
     rollout_metrics,
+    uses_on_policy_shortcut,
     uses_rollout_logprobs,
     whiten_advantages,
+    with_update_kl,
 )
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.models import (
@@ -164,6 +167,9 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     # for and not taken
     packing = fast_path("ppo.packing", ppo.packing, packing_problem(models))
     cfg = replace(cfg, ppo=replace(ppo, packing=packing))
+    rollout_logprobs = uses_rollout_logprobs(cfg, dtype)
+    on_policy = uses_on_policy_shortcut(cfg, rollout_logprobs)
+    cfg = replace(cfg, ppo=replace(cfg.ppo, on_policy_shortcut=on_policy))
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype)
     if env is not None:  # the task is an environment: episodes of several turns
@@ -176,9 +182,10 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
         tokenizer.pad_token_id,
         eot,
         rollout_sampling(cfg, max_new_tokens(cfg)),
-        rollout_logprobs=uses_rollout_logprobs(cfg, dtype),
+        rollout_logprobs=rollout_logprobs,
         rollouts=rollouts,
         keep_sampler_logprobs=ppo.correction != "none",
+        old_from_update=on_policy,
     )
     log_plan(cfg, collect, len(prompts), iterations, plan)
 
@@ -260,13 +267,16 @@ def iteration(s: PPOSetup) -> dict[str, float]:
     if registry.whitens(ppo):
         experiences = whiten_advantages(experiences)
 
+    rollout = concat(experiences)
     s.train_speed.start()
     with clock.phase("update"):
-        update_stats = ppo_update(s.models, experiences, cfg, state, s.ptx, s.run.guard, s.kl.value)
+        update_stats = ppo_update(s.models, rollout, cfg, state, s.ptx, s.run.guard, s.kl.value)
     # samples: the answers the update trains on (a group method's n per prompt)
     answers = s.plan.global_batch_size * ppo.num_samples_per_prompt
     s.train_speed.stop(update_stats.pop("tokens"), answers)
-    rollout_stats = rollout_metrics(experiences)
+    if ppo.on_policy_shortcut:  # the update's forward gave the old log-probs: now the KL
+        rollout = with_update_kl(rollout, ppo.kl_estimator)
+    rollout_stats = rollout_metrics([rollout])
     if s.ema is not None:
         s.ema.update(s.models.actor.module)
     with clock.phase("sync"):
@@ -281,7 +291,7 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         **group_stats,
         **(s.collect.gap.metrics() if measure_gap else {}),
         **(s.collect.episodes.metrics("rollout") if multi_turn(s) else {}),
-        **(correction_metrics(experiences, ppo) if ppo.correction != "none" else {}),
+        **(correction_metrics([rollout], ppo) if ppo.correction != "none" else {}),
         **update_stats,
         "ppo/kl_coef": s.kl.value,
         "ppo/skipped_updates": s.run.guard.skipped,
@@ -374,6 +384,16 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
         world_size(),
         f"function {ppo.reward_function}" if ppo.reward_function else cfg.critic.frozen_path,
     )
+    log.info("PPO old log-probs: %s", old_logprobs_source(ppo, collect.rollout_logprobs))
+
+
+def old_logprobs_source(ppo: PPOConfig, rollout_logprobs: bool) -> str:
+    """Where the ratio's denominator comes from, in words for the plan line."""
+    if ppo.on_policy_shortcut:
+        return "the update's own forward (ppo.on_policy_shortcut: one optimizer step a rollout)"
+    if rollout_logprobs:
+        return "the sampling pass (ppo.rollout_logprobs)"
+    return "a forward of the actor when each rollout is scored"
 
 
 def packing_problem(models: Models) -> str | None:

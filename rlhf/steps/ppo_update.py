@@ -13,7 +13,7 @@ from rlhf import algos, registry
 from rlhf.config import Config
 from rlhf.data.packing import pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
-from rlhf.rl.experience import Experience, concat, response_logprobs, response_values
+from rlhf.rl.experience import Experience, response_logprobs, response_values
 from rlhf.rl.models import Models, max_new_tokens
 from rlhf.steps.loop import NonFiniteGuard, TrainState
 
@@ -22,21 +22,24 @@ log = logging.getLogger(__name__)
 
 def ppo_update(
     models: Models,
-    experiences: list[Experience],
+    rollout: Experience,
     cfg: Config,
     state: TrainState,
     ptx,
     guard: NonFiniteGuard,
     kl_coef: float,
 ) -> dict[str, float]:
-    """``ppo_epochs`` passes over this iteration's rollout in shuffled micro batches; each
-    optimizer step is normalised by the response tokens (or answers: ppo.loss_aggregation) of
-    the whole global step. Stops early when the epoch's approx-KL exceeds ``ppo.target_kl``.
-    kl_coef: the KL term's weight with ppo.kl_in_loss. The first ppo.critic_warmup_steps
-    iterations train the critic only."""
+    """``ppo_epochs`` passes over this iteration's rollout (its generation batches concatenated)
+    in shuffled micro batches; each optimizer step is normalised by the response tokens (or
+    answers: ppo.loss_aggregation) of the whole global step. Stops early when the epoch's
+    approx-KL exceeds ``ppo.target_kl``. kl_coef: the KL term's weight with ppo.kl_in_loss.
+    The first ppo.critic_warmup_steps iterations train the critic only. With
+    ppo.on_policy_shortcut the forward fills ``rollout.old_logprobs`` in place."""
     ppo = cfg.ppo
     train_actor = state.global_step >= ppo.critic_warmup_steps
-    rollout = concat(experiences)
+    steps = -(-len(rollout.scores) // (ppo.per_device_training_batch_size * ppo.grad_accum))
+    if ppo.on_policy_shortcut and (ppo.ppo_epochs * steps > 1 or not train_actor):
+        raise RuntimeError(f"on_policy_shortcut with {ppo.ppo_epochs} epochs x {steps} steps")
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
     totals: dict[str, float] = {}
     epochs_run = 0
@@ -49,6 +52,9 @@ def ppo_update(
                 for rows in step_rows.split(ppo.per_device_training_batch_size)
             ]
             step = train_step(models, micro, cfg, ptx, guard, kl_coef, train_actor)
+            if ppo.on_policy_shortcut:  # what the forward filled in the micro batches' copies
+                for rows, exp in zip(step_rows.split(ppo.per_device_training_batch_size), micro):
+                    rollout.old_logprobs[rows.to(rollout.scores.device)] = exp.old_logprobs
             for key, value in step.items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
             guard.end_step(state.global_step + 1)
@@ -189,6 +195,8 @@ def actor_loss(
         packing,
         truncation,
     )
+    if ppo.on_policy_shortcut:  # the first and only step on these answers: pi_old is pi
+        exp.old_logprobs.copy_(logprobs.detach())
     clip_low, clip_high = registry.clip_range(ppo)
     token_loss, stats = registry.policy_loss(ppo).compute(
         logprobs,
