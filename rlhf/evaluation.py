@@ -25,7 +25,7 @@ from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config, ConfigError, DPOConfig
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
 from rlhf.data.pipeline import TASK
-from rlhf.data.sampling import eval_shards
+from rlhf.data.sampling import EVAL_BATCH_ROWS, eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
@@ -151,7 +151,9 @@ class SFTEvaluator:
         decoder = answer_decoder(self.cfg, engine, self.tokenizer, self.eot, self.gold_rows)
         env = row_environment(self.gold_rows)
         grades, episodes = [], EpisodeTally()
-        for indices, valid in eval_shards(len(self.gold_rows), 64, world_size(), rank()):
+        for indices, valid in eval_shards(
+            len(self.gold_rows), EVAL_BATCH_ROWS, world_size(), rank()
+        ):
             rows = [self.gold_rows[i] for i in indices]
             rollout = decoder.generate([r["prompt_ids"] for r in rows], self.sampling)
             answers = decode_responses(self.tokenizer, rollout)
@@ -233,7 +235,7 @@ def gold_correlation(engine, cfg: Config, tokenizer, eval_rows, eot: int) -> dic
     sampling = Sampling(cfg.reward.gen_max_new_tokens, drop_finished=True)
     engine.eval()
     scores, gold = [], []
-    for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+    for indices, valid in eval_shards(len(rows), EVAL_BATCH_ROWS, world_size(), rank()):
         batch_rows = [rows[i] for i in indices]
         rollout = generate(
             policy,
@@ -333,7 +335,7 @@ class PPOEvaluator:
         """This rank's answers to its shard of ``rows``: reward, KL, length and grade of each."""
         out: dict[str, Any] = {"reward": [], "kl": [], "length": [], "grade": []}
         out["episodes"] = EpisodeTally()
-        shards = eval_shards(len(rows), 64, world_size(), rank())
+        shards = eval_shards(len(rows), EVAL_BATCH_ROWS, world_size(), rank())
         for batch_index, (indices, valid) in enumerate(shards):
             batch = [rows[i] for i in indices]
             # the same seeds at every evaluation on vLLM (whose RNG is its own); the hf path
@@ -571,7 +573,7 @@ class DPOEvaluator:
         """This rank's answers to its shard of ``rows``: the length, grade and KL of each."""
         decoder = answer_decoder(self.cfg, engine, self.tokenizer, self.eot, self.rows)
         out: dict[str, Any] = {"length": [], "grade": [], "kl": [], "episodes": EpisodeTally()}
-        for indices, valid in eval_shards(len(rows), 64, world_size(), rank()):
+        for indices, valid in eval_shards(len(rows), EVAL_BATCH_ROWS, world_size(), rank()):
             batch = [rows[i] for i in indices]
             rollout = decoder.generate([r["prompt_ids"] for r in batch], sampling)
             out["episodes"].add(rollout, valid)

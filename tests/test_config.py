@@ -229,6 +229,13 @@ BAD_VALUES = [
     ),
     (["ppo.vllm.sync_bucket_mb=0"], "ppo.vllm.sync_bucket_mb", "0", ">= 1"),
     (["ppo.vllm.kv_cache_gb=0"], "ppo.vllm.kv_cache_gb", "0.0", "null or a float > 0"),
+    (["ppo.vllm.sleep_level=3"], "ppo.vllm.sleep_level", "3", "1 or 2"),
+    (
+        ["ppo.vllm.gpu_memory_utilization=1.5"],
+        "ppo.vllm.gpu_memory_utilization",
+        "1.5",
+        "null or in (0, 1]",
+    ),
     (["ppo.reward_function=nope"], "ppo.reward_function", "'nope'", "module:function"),
     (
         ["ppo.reward_function=json:no_such_function"],

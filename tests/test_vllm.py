@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rlhf import algos
 from rlhf.rl.experience import response_logprobs
@@ -142,6 +142,49 @@ def test_a_push_resets_the_prefix_cache(engine, actor, tokenizer, monkeypatch):
         prompts, tokenizer.pad_token_id, tokenizer.eos_token_id, sampling, seeds=range(4)
     )
     assert _trainer_gap(actor, fresh, 1.0) < 1e-4
+
+
+def test_the_kv_cache_is_counted_as_vllm_allocates_it(engine, tiny_lm_dir):
+    """rlhf's bytes a block (rlhf.rl.vllm_engine.kv_cache_bytes) are vLLM's: the engine's 128 MiB
+    give exactly the blocks they would hold, so a cache sized for every row of a batch at full
+    length holds them all at once (a smaller one makes vLLM preempt and recompute rows)."""
+    from rlhf.rl.vllm_engine import KV_BLOCK_TOKENS, kv_cache_bytes
+
+    config = AutoConfig.from_pretrained(tiny_lm_dir)
+    block_bytes = kv_cache_bytes(config, "fp32", 1, KV_BLOCK_TOKENS) // 2  # 1 block + the next
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.block_size == KV_BLOCK_TOKENS
+    assert cache.num_gpu_blocks == (128 << 20) // block_bytes
+
+
+def test_answers_after_a_sleep_and_the_push_equal_those_before(
+    engine, actor, tokenizer, monkeypatch
+):
+    """Sleep mode as the PPO loop drives it, on CPU (where vLLM has no sleep mode): a level-2
+    sleep stands in as the weights zeroed; the push wakes the engine and reloads every weight,
+    so the greedy answers are those before the sleep. The control wakes without the push."""
+    prompts = _prompts(tokenizer)
+    greedy = Sampling(max_new_tokens=16, greedy=True, stop_at_eos=False)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def drop_weights(level):
+        engine.llm.apply_model(lambda model: [p.data.zero_() for p in model.parameters()])
+
+    monkeypatch.setattr(engine, "sleeps", True)
+    monkeypatch.setattr(engine.llm, "sleep", drop_weights)
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: True)
+    before = engine.generate(prompts, pad, eos, greedy)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, pad, eos, greedy)
+    engine.asleep = False  # the control: awake, but nothing pushed
+    dropped = engine.generate(prompts, pad, eos, greedy)
+    assert not torch.equal(dropped.sequences, before.sequences)
+    engine.sleep()
+    engine.push(hf_weights(actor, zero_stage=0))
+    after = engine.generate(prompts, pad, eos, greedy)
+    assert torch.equal(after.sequences, before.sequences)
+    assert (after.logprobs - before.logprobs).abs().max() < 1e-5
 
 
 def test_seeded_requests_repeat_and_groups_come_from_n(engine, tokenizer):

@@ -2,14 +2,15 @@
 end on a reduced embedded default: the engine is given the actor's weights after every update
 (its log-probs then equal the trainer's in fp32, iteration after iteration), the correction is
 logged, groups come from vLLM's n and ReMax's baseline from its greedy decoding, a run killed
-with SIGKILL resumes to the uninterrupted run's metrics, and ZeRO-3 on 2 ranks runs with one
-engine a rank."""
+with SIGKILL resumes to the uninterrupted run's metrics, ZeRO-3 on 2 ranks runs with one
+engine a rank, and the engine sleeps through every update (emulated on CPU)."""
 
 import signal
 
 import pytest
 
 from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.test_vllm_memory import assert_released_for_every_update, decoder_calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -122,3 +123,24 @@ def test_zero3_on_two_ranks_with_an_engine_a_rank(sft, cache_dir, tmp_path):
     rows = _training_rows(tmp_path)
     assert len(rows) == 2
     assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # both ranks' engines synced
+
+
+def test_the_engine_sleeps_through_every_update_and_wakes_to_the_pushed_weights(
+    tiny_lm_dir, cache_dir, tmp_path
+):
+    """Sleep mode as on a GPU (emulated on CPU: a sleep zeroes the engine's weights): the loop
+    releases the engine after each rollout, the push after the update wakes it and reloads the
+    weights, so every rollout samples what the trainer scores (fp32: the gap at rounding)."""
+    calls = decoder_calls(
+        tmp_path,
+        tiny_lm_dir,
+        "ppo.rollout_engine=vllm",
+        "ppo.logprob_gap_interval=1",
+        "step.log_interval=1",
+        *cache_overrides(cache_dir),
+        sleep=True,
+    )
+    assert_released_for_every_update(calls, iterations=2)
+    rows = _training_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)

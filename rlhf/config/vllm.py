@@ -10,19 +10,28 @@ from typing import Any
 class VLLMConfig:
     """ppo.rollout_engine=vllm: the colocated engine's bounds (docs/vllm.md)."""
 
-    # the KV cache in GiB; null: 1 on CPU, on a GPU the gpu_memory_utilization share
+    # the KV cache in GiB; null: sized to hold every row a rank decodes at once (a generation
+    # batch's rollouts, an evaluation batch) at prompt + answer tokens
     kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.3  # a GPU's share for the engine (weights + KV cache)
+    # the GPU's share vLLM asks to find free as it starts; null: the engine's weights and KV
+    # cache with a margin (it starts beside the DeepSpeed models)
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None  # no CUDA graphs / compilation; null: on CPU only
-    sleep: bool = True  # GPU: the engine frees its weights and KV cache between rollouts
+    sleep: bool = True  # GPU: the engine frees its memory from each rollout to the next push
+    # what sleeping frees: 1, the KV cache (the weights move to host memory); 2, the weights
+    # too (the push after the update reloads them: nothing is copied back)
+    sleep_level: int = 2
     sync_bucket_mb: int = 256  # ZeRO-3: the actor is gathered this much at a time per push
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             out.append(("kv_cache_gb", self.kv_cache_gb, "null or a float > 0"))
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            out.append(("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]"))
+        share = self.gpu_memory_utilization
+        if share is not None and not 0.0 < share <= 1.0:
+            out.append(("gpu_memory_utilization", share, "null or in (0, 1]"))
+        if self.sleep_level not in (1, 2):
+            out.append(("sleep_level", self.sleep_level, "1 or 2"))
         if self.sync_bucket_mb < 1:
             out.append(("sync_bucket_mb", self.sync_bucket_mb, "an integer >= 1"))
         return out

@@ -149,6 +149,10 @@ def budget_micro_batches(
     return split_groups(every_rank[rank], max(len(g) for g in every_rank))
 
 
+# rows an evaluation scores or decodes at once on a rank
+EVAL_BATCH_ROWS = 64
+
+
 def eval_shards(
     num_rows: int, batch_size: int, world_size: int, rank: int
 ) -> list[tuple[list[int], list[bool]]]:

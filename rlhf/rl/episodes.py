@@ -120,6 +120,9 @@ class EpisodeRollouts:
     def sync(self) -> None:
         self.decoder.sync()
 
+    def release(self) -> None:
+        self.decoder.release()
+
     def close(self) -> None:
         self.decoder.close()
 

@@ -12,11 +12,18 @@ from contextlib import contextmanager
 import torch
 
 from rlhf.config import Config
+from rlhf.data.sampling import EVAL_BATCH_ROWS
 from rlhf.dist import world_size
 from rlhf.rl.generation import Rollout, Sampling, generate
 from rlhf.rl.models import max_new_tokens
-from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
-from rlhf.rl.weight_sync import hf_weights
+from rlhf.rl.vllm_engine import (
+    DTYPE_BYTES,
+    EngineSpec,
+    VLLMRollouts,
+    gpu_share,
+    kv_cache_bytes,
+)
+from rlhf.rl.weight_sync import hf_model, hf_weights
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,9 @@ class HFRollouts:
     def sync(self) -> None:
         """Nothing to push: the actor decodes with its own weights."""
 
+    def release(self) -> None:
+        """Nothing is held between rollouts."""
+
     def close(self) -> None:
         pass
 
@@ -104,6 +114,9 @@ class ModuleRollouts:
     def sync(self) -> None:
         pass
 
+    def release(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -117,19 +130,7 @@ class VLLMPath:
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.zero_stage = cfg.actor.zero.stage
         self.bucket_bytes = settings.sync_bucket_mb << 20
-        on_gpu = torch.cuda.is_available()
-        spec = EngineSpec(
-            dtype=dtype,
-            max_model_len=cfg.data.max_prompt_len + max_new_tokens(cfg),
-            kv_cache_bytes=int(settings.kv_cache_gb * (1 << 30)) if settings.kv_cache_gb else None,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager
-            if settings.enforce_eager is not None
-            else not on_gpu,
-            sleep=settings.sleep,
-            seed=cfg.seed,
-        )
-        self.engine = VLLMRollouts(actor, spec)
+        self.engine = VLLMRollouts(actor, engine_spec(cfg, actor, dtype))
         self.fallback_seed = cfg.seed * 1_000_003
 
     def generate(
@@ -151,11 +152,65 @@ class VLLMPath:
 
     def sync(self) -> None:
         """Push the actor's current weights (ZeRO-3 gathered in buckets, LoRA merged; every rank
-        gathers, each pushes into its own engine). The loop times it (perf/sync_s)."""
+        gathers, each pushes into its own engine), waking a sleeping engine first. The loop
+        times it (perf/sync_s)."""
         self.engine.push(hf_weights(self.actor, self.zero_stage, self.bucket_bytes))
+
+    def release(self) -> None:
+        """The rollout is done: on a GPU the engine sleeps until the next :meth:`sync`."""
+        self.engine.sleep()
 
     def close(self) -> None:
         self.engine.close()
+
+
+def engine_spec(cfg: Config, actor, dtype: str) -> EngineSpec:
+    """The engine of ``cfg.ppo.vllm`` for ``actor``: the KV cache sized for the most rows a
+    rank decodes at once (ppo.vllm.kv_cache_gb overrides it), and on a GPU the memory share
+    vLLM asks to find free from what the engine holds (gpu_memory_utilization overrides it)."""
+    settings = cfg.ppo.vllm
+    on_gpu = torch.cuda.is_available()
+    max_model_len = cfg.data.max_prompt_len + max_new_tokens(cfg)
+    rows = max(
+        cfg.ppo.per_device_generation_batch_size * cfg.ppo.num_samples_per_prompt, EVAL_BATCH_ROWS
+    )
+    config = hf_model(actor).config
+    if settings.kv_cache_gb is not None:
+        cache_bytes = int(settings.kv_cache_gb * (1 << 30))
+    else:
+        cache_bytes = kv_cache_bytes(config, dtype, rows, max_model_len)
+    share = settings.gpu_memory_utilization
+    if share is None:
+        # (on CPU vLLM reads the share only where no cache size is given: never here)
+        share = (
+            gpu_share(parameter_bytes(actor, dtype), cache_bytes, device_bytes()) if on_gpu else 0.3
+        )
+    log.info(
+        "vLLM engine: KV cache %.2f GiB (%s), %d tokens a sequence%s",
+        cache_bytes / (1 << 30),
+        "ppo.vllm.kv_cache_gb" if settings.kv_cache_gb is not None else f"{rows} rows at once",
+        max_model_len,
+        f", asks for {share:.0%} of the GPU free" if on_gpu else "",
+    )
+    return EngineSpec(
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_cache_bytes=cache_bytes,
+        gpu_memory_utilization=share,
+        enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else not on_gpu,
+        sleep_level=settings.sleep_level if settings.sleep else 0,
+        seed=cfg.seed,
+    )
+
+
+def parameter_bytes(actor, dtype: str) -> int:
+    """The actor's weights at ``dtype`` (ZeRO-3: the whole model, not this rank's slice)."""
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in hf_model(actor).parameters())
+    return numel * DTYPE_BYTES[dtype]
+
+
+def device_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 def build_rollouts(cfg: Config, actor, pad_id: int, end_id: int, dtype: str):

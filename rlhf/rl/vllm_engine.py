@@ -33,6 +33,7 @@ from rlhf.rl.weight_sync import hf_model
 log = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 INSTALL_HINT = "scripts/install_vllm.sh installs it; on a GPU machine: pip install vllm"
 
 
@@ -48,9 +49,11 @@ class EngineSpec:
     """What an engine is built with.
 
     dtype: fp32 | bf16 | fp16, the actor's. max_model_len: prompt + answer tokens.
-    kv_cache_bytes: the KV cache's size (None: a share of GPU memory, gpu_memory_utilization).
+    kv_cache_bytes: the KV cache's size (None: vLLM's own, a gpu_memory_utilization share).
+    gpu_memory_utilization: the share of the GPU vLLM's start-up check asks to find free.
     enforce_eager: no CUDA graphs / compilation (always on CPU, where compiling takes minutes).
-    sleep: between rollouts free the KV cache and weights on the GPU (vLLM's sleep mode).
+    sleep_level: 0, or between a rollout and the next weight push free the KV cache (1: the
+    weights to host memory, 2: the weights dropped) on the GPU (vLLM's sleep mode).
     seed: the engine's own seed (requests carry theirs)."""
 
     dtype: str
@@ -58,8 +61,40 @@ class EngineSpec:
     kv_cache_bytes: int | None = 1 << 30
     gpu_memory_utilization: float = 0.3
     enforce_eager: bool = True
-    sleep: bool = False
+    sleep_level: int = 0
     seed: int = 0
+
+
+# vLLM allocates the KV cache in blocks: 16 tokens on a GPU, 128 in its CPU build; a sequence
+# is counted at whole blocks of the larger size, plus one for the token it decodes next
+KV_BLOCK_TOKENS = 128
+
+
+def kv_cache_bytes(config, dtype: str, sequences: int, max_model_len: int) -> int:
+    """The bytes of a KV cache that holds ``sequences`` sequences of ``max_model_len`` tokens
+    at once (every rollout row of a generation batch decoding together): keys and values of
+    every layer's key-value heads, ``dtype`` wide. ``config``: the actor's transformers config
+    (grouped-query heads counted as such)."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    blocks = -(-max_model_len // KV_BLOCK_TOKENS) + 1
+    return sequences * blocks * KV_BLOCK_TOKENS * per_token
+
+
+# what vLLM holds beside its weights and KV cache on a GPU: the CUDA context, activations of
+# its profiling pass, CUDA graphs
+ENGINE_OVERHEAD_BYTES = 2 << 30
+
+
+def gpu_share(weight_bytes: int, cache_bytes: int, device_bytes: int) -> float:
+    """The share of the device an engine with these weights and this KV cache asks to find
+    free at start-up (vLLM refuses to start where less is free): what it needs, not a constant
+    share, so it starts beside the DeepSpeed models already on the device."""
+    needed = 1.2 * (weight_bytes + cache_bytes) + ENGINE_OVERHEAD_BYTES
+    return min(max(needed / device_bytes, 0.02), 0.95)
 
 
 def engine_environment() -> None:
@@ -84,15 +119,15 @@ class VLLMRollouts:
 
         self.spec = spec
         self.on_gpu = torch.cuda.is_available()
+        # vLLM's sleep mode is a CUDA allocator's: on CPU the engine keeps its memory
+        self.sleeps = spec.sleep_level > 0 and self.on_gpu
         self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
         config = copy.deepcopy(hf_model(model).config)
         config.architectures = [type(hf_model(model)).__name__]  # a built config names none
         config.save_pretrained(self._config_dir.name)
-        memory = (
-            {"kv_cache_memory_bytes": spec.kv_cache_bytes}
-            if spec.kv_cache_bytes is not None
-            else {"gpu_memory_utilization": spec.gpu_memory_utilization}
-        )
+        memory = {"gpu_memory_utilization": spec.gpu_memory_utilization}
+        if spec.kv_cache_bytes is not None:
+            memory["kv_cache_memory_bytes"] = spec.kv_cache_bytes
         set_num_threads = torch.set_num_threads
         started = time.perf_counter()
         # the engine seeds torch's global RNG as it starts: the trainer's draws stay its own
@@ -107,7 +142,7 @@ class VLLMRollouts:
                 dtype=VLLM_DTYPES[spec.dtype],
                 max_model_len=spec.max_model_len,
                 enforce_eager=spec.enforce_eager or not self.on_gpu,
-                enable_sleep_mode=spec.sleep and self.on_gpu,
+                enable_sleep_mode=self.sleeps,
                 seed=spec.seed,
                 distributed_executor_backend=rank_local_executor(),
                 **memory,
@@ -137,11 +172,12 @@ class VLLMRollouts:
         return time.perf_counter() - started
 
     def sleep(self) -> None:
-        """Between rollouts on a GPU: give the weights and the KV cache's memory back to the
-        trainer until the next push (a no-op unless EngineSpec.sleep)."""
-        if self.spec.sleep and self.on_gpu and not self.asleep:
-            self.llm.reset_prefix_cache()
-            self.llm.sleep(level=2)  # weights are pushed again before the next rollout
+        """After a rollout on a GPU: give the KV cache's memory (and the weights', see
+        EngineSpec.sleep_level) to the trainer until the next :meth:`push` wakes the engine.
+        A no-op where the engine does not sleep."""
+        if self.sleeps and not self.asleep:
+            self.llm.reset_prefix_cache()  # the cached blocks are gone after the sleep
+            self.llm.sleep(level=self.spec.sleep_level)
             self.asleep = True
 
     # -- rollouts

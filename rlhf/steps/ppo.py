@@ -264,6 +264,8 @@ def iteration(s: PPOSetup) -> dict[str, float]:
             ),
             ppo.dynamic_sampling_rounds,
         )
+    with clock.phase("sync"):  # vLLM on a GPU: the engine's memory to the update
+        s.rollouts.release()
     if registry.whitens(ppo):
         experiences = whiten_advantages(experiences)
 
@@ -280,7 +282,7 @@ def iteration(s: PPOSetup) -> dict[str, float]:
     if s.ema is not None:
         s.ema.update(s.models.actor.module)
     with clock.phase("sync"):
-        s.rollouts.sync()  # vLLM: the updated actor's weights
+        s.rollouts.sync()  # vLLM: the updated actor's weights (the engine woken)
     s.kl.update(rollout_stats["ppo/kl"], s.plan.global_batch_size)
     state.advance(s.plan.steps_per_epoch, s.plan.global_batch_size, 0)
     seconds = time.perf_counter() - started
