@@ -1,12 +1,12 @@
-"""``python -m benchmarks [rollout | reference] ARGS``, from the repository root: the steps bench
-(benchmarks/steps.py), or the subcommand's bench. ``_trl`` (the TRL columns' worker) and
-``rollout _worker`` are the benches' own subprocesses."""
+"""``python -m benchmarks [rollout | reference | floor] ARGS``, from the repository root: the
+steps bench (benchmarks/steps.py), or the subcommand's bench. ``_trl`` (the TRL columns'
+worker), ``rollout _worker`` and ``floor _worker`` are the benches' own subprocesses."""
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import reference, rollout, steps, trl_runs
+from benchmarks import floor, reference, rollout, steps, trl_runs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> dict:
     if argv[:1] == ["_trl"]:
         trl_runs.trl_worker(argv[1])
         return {}
+    if argv[:2] == ["floor", "_worker"]:  # a floor run's ranks
+        floor.worker(argv[2], argv[3:])
+        return {}
+    if argv[:1] == ["floor"]:  # the PPO iteration against the sum of its parts
+        return floor.main(argv[1:])
     if argv[:1] == ["rollout"]:  # vLLM against the transformers path
         return rollout.main(argv[1:])
     if argv[:1] == ["reference"]:  # a LoRA policy's reference: a copy or the adapters off

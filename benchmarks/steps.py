@@ -315,6 +315,16 @@ def run_metrics(summary: dict) -> dict[str, float]:
     return out
 
 
+def prepared_data(args) -> Path:
+    """--data, or the synthetic rows of the workload (written once in --out)."""
+    answer = args.max_seq_len - args.max_prompt_len
+    name = f"synthetic-{args.lengths}-{args.rows}-{args.max_prompt_len}-{answer}.jsonl"
+    data = Path(args.data).resolve() if args.data else args.out / name
+    if not args.data and not data.exists():  # kept: the tokenised cache keys on its mtime
+        synthetic_rows(data, args.rows, args.max_prompt_len, answer, lengths=args.lengths)
+    return data
+
+
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -325,11 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    answer = args.max_seq_len - args.max_prompt_len
-    name = f"synthetic-{args.lengths}-{args.rows}-{args.max_prompt_len}-{answer}.jsonl"
-    data = Path(args.data).resolve() if args.data else args.out / name
-    if not args.data and not data.exists():  # kept: the tokenised cache keys on its mtime
-        synthetic_rows(data, args.rows, args.max_prompt_len, answer, lengths=args.lengths)
+    data = prepared_data(args)
     peaks = [matmul_peak(args.dtype, CORES)]  # again after each section: the best counts
     if not args.no_trl and not trl_version():
         print("trl is not installed: the TRL columns are skipped (pip install trl)", flush=True)

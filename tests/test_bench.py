@@ -9,7 +9,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer, OPTConfig
 
-from benchmarks import flops, runs, steps, trl_runs, workload
+from benchmarks import floor, flops, runs, steps, trl_runs, workload
 from benchmarks.report import format_report, summarize
 from rlhf import ONEDNN_CACHES
 from rlhf.assets import TINY_TOKENIZER_DIR
@@ -216,7 +216,7 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
 def test_python_m_benchmarks_runs_each_bench_and_the_old_command_says_where_it_went():
     """The benches run from the checkout's root (they are not in the wheel); the old
     ``python -m rlhf.bench`` answers one line on stderr naming the new command, and exits 2."""
-    for sub in ([], ["rollout"], ["reference"]):
+    for sub in ([], ["rollout"], ["reference"], ["floor"]):
         command = [sys.executable, "-m", "benchmarks", *sub, "--help"]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
@@ -351,6 +351,36 @@ def test_a_tiny_bench_runs_end_to_end(tmp_path):
     assert report["table"]["sft"]["fast"]["mfu"] > 0
     assert "trl" not in report["table"]["sft"]  # --no-trl (the dschat test runs TRL's worker)
     assert "[ok]" in proc.stdout or "[MISS]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_floor_bench_times_every_part_and_the_whole_iteration_on_two_ranks(tmp_path):
+    cmd = [
+        *(sys.executable, "-m", "benchmarks", "floor", "--out", str(tmp_path)),
+        *("--rollout-engine", "hf", "--warmup", "1", "--repeats", "2", "--ranks", "2"),
+        *("--rows", "600", "--actor", "64x2", "--critic", "32x1", "--ppo-batch", "4"),
+        *("--export-steps", "2", "--max-seq-len", "64", "--max-prompt-len", "32"),
+        *("--dtype", "bf16", "--zero", "2"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "floor.json").read_text())
+    hf = report["engines"]["hf"]
+    assert len(hf["iterations_s"]) == 2 and hf["iteration_s"] > 0
+    # bf16: the old log-probs are recomputed, so the actor's forward is a part of its own
+    assert not hf["rollout_logprobs"] and hf["actor_forward_s"] > 0
+    parts = [hf[f"{name}_s"] for name in floor.PARTS if f"{name}_s" in hf]
+    assert len(parts) == len(floor.PARTS) and all(p >= 0 for p in parts)
+    assert hf["parts_s"] == pytest.approx(sum(parts))
+    assert hf["ratio"] == pytest.approx(hf["iteration_s"] / hf["parts_s"])
+    assert "ratio" in proc.stdout and "hf" in proc.stdout
+
+
+def test_the_floor_bench_refuses_an_engine_it_cannot_run_before_any_work(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks", "floor", "--rollout-engine", "sglang"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--rollout-engine: unknown ['sglang']; choose from hf, vllm" in proc.stderr
 
 
 def test_a_run_reports_its_evaluation_time_and_its_share_of_the_wall_time(tmp_path, monkeypatch):

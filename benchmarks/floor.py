@@ -1,0 +1,229 @@
+"""``python -m benchmarks floor``: is the PPO iteration at its floor? On one batch, each part of
+an iteration alone (the engine's raw generate of the same prompts with the same seed, so to the
+same lengths; each model's forward over the rollout as the scoring pass makes it; the update's
+forward, backward and optimizer steps; the weight push) against whole iterations, and the ratio
+iteration / sum of parts, for each rollout engine. 1.0 is the floor: the iteration spends
+nothing beyond its parts. Writes floor.json in --out.
+
+    python -m benchmarks floor --scenario dschat                 # bf16, 2 ranks, ZeRO-2
+    python -m benchmarks floor --rollout-engine hf --repeats 5   # one engine, more repeats
+    python -m benchmarks floor --set ppo.on_policy_shortcut=false  # any rlhf override on top
+
+The shapes and the exported models are the steps bench's (benchmarks/steps.py, its options
+apply). Each engine is one real ``python -m rlhf step=ppo`` run (torchrun for several ranks)
+whose PPO recipe is replaced by :func:`floor_recipe`: the real setup, --warmup iterations, the
+timed iterations, then the parts; every rank times the same things between barriers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import steps
+from benchmarks.runs import run_logged
+from benchmarks.workload import data_overrides, run_overrides
+
+ENGINES = ("hf", "vllm")
+PARTS = ("generate", "actor_forward", "reference_forward", "critic_forward", "reward_forward")
+PARTS += ("update", "sync")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks floor", description=__doc__)
+    p.add_argument("--rollout-engine", default="hf,vllm", help="engines, comma separated")
+    p.add_argument("--warmup", type=int, default=2, help="iterations before the timed ones")
+    p.add_argument("--repeats", type=int, default=3, help="timed iterations, and runs of a part")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an rlhf override on top of the bench's (repeatable): ppo.advantage_estimator=grpo",
+    )
+    own, rest = p.parse_known_args(argv)
+    own.engines = [e for e in own.rollout_engine.split(",") if e]
+    if unknown := set(own.engines) - set(ENGINES):
+        p.error(f"--rollout-engine: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if "vllm" in own.engines and importlib.util.find_spec("vllm") is None:
+        p.error(
+            "--rollout-engine vllm: vLLM is not installed (scripts/install_vllm.sh), or pass hf"
+        )
+    if own.warmup < 1 or own.repeats < 1:
+        p.error("--warmup and --repeats: at least 1")
+    bench = steps.parse_args([*rest, "--sections", "ppo", "--no-trl"])
+    return own, bench
+
+
+def main(argv: list[str]) -> dict:
+    own, args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = steps.prepared_data(args)
+    actor, critic = steps.build_models(args, data)
+    results = {}
+    for engine in own.engines:
+        args.rollout_engine = engine
+        run_dir = args.out / "runs" / f"floor-{engine}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        bench = steps.merged(
+            [*data_overrides(args, data), *run_overrides(args, own.warmup + own.repeats)],
+            [*steps.section_modes("ppo", args, actor, critic)["fast"], "ppo.generation_batches=1"],
+        )
+        overrides = steps.merged(bench, own.set)
+        spec = {"warmup": own.warmup, "repeats": own.repeats, "out": str(run_dir / "floor.json")}
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+        print(f"floor, rollouts on {engine} ...", flush=True)
+        module = ["benchmarks", "floor", "_worker", str(run_dir / "spec.json")]
+        run_logged([*module, *overrides, f"hydra.run.dir={run_dir}"], run_dir, args)
+        results[engine] = json.loads((run_dir / "floor.json").read_text())
+    report = {
+        "command": " ".join(["python -m benchmarks floor", *argv]),
+        "scenario": args.scenario,
+        "overrides": own.set,
+        "engines": results,
+    }
+    (args.out / "floor.json").write_text(json.dumps(report, indent=2))
+    print(format_report(results))
+    print(f"\nwrote {args.out / 'floor.json'}")
+    return report
+
+
+def format_report(results: dict) -> str:
+    lines = [f"{'engine':<6} {'iteration':>10} {'sum of parts':>13} {'ratio':>6}  parts (s)"]
+    for engine, r in results.items():
+        parts = ", ".join(f"{k} {r[f'{k}_s']:.3f}" for k in PARTS if r.get(f"{k}_s"))
+        lines.append(
+            f"{engine:<6} {r['iteration_s']:>9.3f}s {r['parts_s']:>12.3f}s {r['ratio']:>6.3f}  "
+            + parts
+        )
+    return "\n".join(lines)
+
+
+# --- inside the run (every rank) ---------------------------------------------------------------
+
+
+def worker(spec_path: str, overrides: list[str]) -> None:
+    """``python -m rlhf OVERRIDES`` with the PPO recipe replaced by :func:`floor_recipe`."""
+    from rlhf.steps import all as pipeline
+
+    spec = json.loads(Path(spec_path).read_text())
+    pipeline.RECIPES["ppo"] = lambda cfg, info: floor_recipe(cfg, info, spec)
+    sys.argv = ["rlhf", *overrides]
+    runpy.run_module("rlhf", run_name="__main__", alter_sys=True)  # as `python -m rlhf`
+
+
+def floor_recipe(cfg, info, spec: dict) -> dict:
+    from rlhf.dist import barrier, is_main
+    from rlhf.steps import ppo
+
+    s = ppo.setup(cfg, info)
+    for _ in range(spec["warmup"]):
+        ppo.iteration(s)
+    iterations = [timed(lambda: ppo.iteration(s), barrier) for _ in range(spec["repeats"])]
+    parts = part_seconds(s, spec["repeats"], barrier)
+    s.rollouts.close()
+    iteration = statistics.median(iterations)
+    total = sum(parts.values())
+    result = {
+        "iteration_s": iteration,
+        "iterations_s": iterations,
+        **{f"{name}_s": seconds for name, seconds in parts.items()},
+        "parts_s": total,
+        "ratio": iteration / total,
+        "on_policy_shortcut": s.cfg.ppo.on_policy_shortcut,
+        "rollout_logprobs": s.collect.rollout_logprobs,
+    }
+    if is_main():
+        Path(spec["out"]).write_text(json.dumps(result, indent=2))
+    return {"bench/floor_ratio": result["ratio"]}
+
+
+def timed(fn, barrier) -> float:
+    """Seconds of ``fn()`` on this rank, the ranks lined up before it (the slowest rank's time
+    is what the next collective waits for, so every rank times the same span)."""
+    barrier()
+    started = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - started
+
+
+def part_seconds(s, repeats: int, barrier) -> dict[str, float]:
+    """Median seconds of each part of an iteration alone, on one batch of this rank's prompts:
+    the forwards the scoring pass makes (the actor's only where the old log-probs are neither
+    the sampler's nor the update's), the update on the scored batch, the push."""
+    import torch
+
+    from rlhf.dist import rank
+    from rlhf.engine import model_device
+    from rlhf.rl.advantages import shaping
+    from rlhf.rl.experience import (
+        eval_modules,
+        kl_needs_logits,
+        normalised_scores,
+        reference_args,
+        response_logprobs,
+        response_values,
+    )
+    from rlhf.steps.ppo_update import ppo_update
+
+    cfg, models, collect = s.cfg, s.models, s.collect
+    rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
+    rows = s.plan.micro_batches(s.run.state.epoch, s.run.state.step_in_epoch, rank())[0]
+    prompts = [s.prompts[i]["prompt_ids"] for i in rows]
+    record = collect.rollout_logprobs or collect.keep_sampler_logprobs
+    seed = 12345
+
+    def generate():
+        return s.rollouts.generate(
+            prompts, collect.sampling, seed, rules.group_size, rules.temperature if record else None
+        )
+
+    rollout = generate()
+    device = model_device(models.actor)
+    sequences = rollout.sequences.to(device)
+    mask = rollout.attention_mask.to(device)
+    start = rollout.prompt_width - 1
+    args = dict(fp32=rules.fp32_logits, temperature=rules.temperature, truncation=rules.truncation)
+    if rules.packing:
+        from rlhf.data.packing import pack_rows
+
+        args["packing"] = pack_rows(sequences, mask, pad_id=0)
+    forwards = {
+        "reference_forward": lambda: response_logprobs(
+            models.reference, sequences, mask, start, **reference_args(args)
+        )
+    }
+    sampler_or_update = collect.rollout_logprobs or collect.old_from_update
+    if not sampler_or_update or kl_needs_logits(rules.kl_estimator):
+        forwards["actor_forward"] = lambda: response_logprobs(
+            models.actor, sequences, mask, start, **args
+        )
+    if models.critic is not None:
+        forwards["critic_forward"] = lambda: response_values(
+            models.critic, sequences, mask, start, args.get("packing")
+        )
+    forwards["reward_forward"] = lambda: normalised_scores(
+        models.reward, sequences, mask, rollout, rules, args.get("packing")
+    )
+
+    def median(fn) -> float:
+        return statistics.median(timed(fn, barrier) for _ in range(repeats))
+
+    out = {"generate": median(generate)}
+    with torch.no_grad(), eval_modules(*(m for m in (models.actor, models.critic) if m)):
+        out.update({name: median(fn) for name, fn in forwards.items()})
+    experience = collect([*prompts], rules, seed=seed)
+
+    def update():
+        fresh = experience._replace(old_logprobs=experience.old_logprobs.clone())
+        ppo_update(models, fresh, cfg, s.run.state, s.ptx, s.run.guard, s.kl.value)
+
+    out["update"] = median(update)
+    out["sync"] = median(lambda: (s.rollouts.release(), s.rollouts.sync()))
+    return out
