@@ -15,7 +15,10 @@ layer sizes unless --tiny) and the data is the embedded toy task. The runs:
    ratio with the default recompute (1) and with the sampler's log-probs (off 1 by the gap);
 4. ZeRO-3 PPO with EMA and PTX killed after its checkpoint and resumed (2 ranks where there
    are 2 devices, CPU included): the uninterrupted run's rows and EMA export, one EMA slice a
-   rank.
+   rank;
+5. vLLM at OPT-1.3B's shapes in bf16 (where vLLM is installed): the weight push, answer
+   tokens/s of a 32 x 256 + 256 greedy rollout, the memory a level-2 sleep gives back, and the
+   answers after the wake and the push equal to those before.
 
 Exit status 0 when every check passes. tests/gpu/test_gpu_check.py runs it on a GPU (marker
 gpu); tests/test_ppo_correctness.py runs --tiny on CPU (marker slow), so it cannot rot.
@@ -264,6 +267,91 @@ def check_zero3_resume(s: Setup) -> list[Row]:
     ]
 
 
+# OPT-1.3B's layer sizes (the published recipe's actor), for the vLLM check
+OPT_1_3B = dict(hidden_size=2048, word_embed_proj_dim=2048, num_hidden_layers=24, ffn_dim=8192)
+OPT_1_3B.update(num_attention_heads=32, max_position_embeddings=2048)
+
+
+def check_vllm(s: Setup) -> list[Row]:
+    """vLLM rollouts as the PPO loop drives them, in this process: the weight push at OPT-1.3B's
+    shapes in bf16 (--tiny: the tests' 128-wide OPT in fp32 on CPU), a sleep after the rollout
+    (the memory it gives back), the push waking it, and the greedy answers after the wake equal
+    to those before. vLLM's CPU build has no sleep mode; without vLLM the check says so."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        ok = s.tiny  # a GPU check without vLLM is a failure; --tiny in the CPU suite is not
+        return [Row("vLLM rollouts", "not run: vLLM is not installed", "runs", ok)]
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    from rlhf.assets import TINY_TOKENIZER_DIR
+    from rlhf.rl.generation import Sampling
+    from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts, kv_cache_bytes
+    from rlhf.rl.weight_sync import hf_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    shape = (
+        dict(hidden_size=128, word_embed_proj_dim=64, num_hidden_layers=2, ffn_dim=256)
+        | dict(num_attention_heads=4, max_position_embeddings=512)
+        if s.tiny
+        else OPT_1_3B
+    )
+    vocab = len(tokenizer) + 8 - len(tokenizer) % 8
+    config = OPTConfig(vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, **shape)
+    dtype, rows, prompt, answer = ("fp32", 8, 32, 32) if s.tiny else ("bf16", 32, 256, 256)
+    torch.manual_seed(0)
+    model = OPTForCausalLM(config)
+    if not s.tiny:
+        model = model.to(device="cuda", dtype=torch.bfloat16)
+    cache = kv_cache_bytes(config, dtype, rows, prompt + answer)
+    spec = EngineSpec(dtype, prompt + answer, cache, gpu_memory_utilization=0.5, sleep_level=2)
+    engine = VLLMRollouts(model, spec)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, len(tokenizer), (rows, prompt), generator=generator).tolist()
+    greedy = Sampling(max_new_tokens=answer, greedy=True, stop_at_eos=False)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    try:
+        push_s = engine.push(hf_weights(model, zero_stage=0))
+        started = time.perf_counter()
+        before = engine.generate(prompts, pad, eos, greedy)
+        tokens_per_s = rows * answer / (time.perf_counter() - started)
+        free = torch.cuda.mem_get_info()[0] if engine.on_gpu else 0
+        engine.sleep()
+        freed_gb = (torch.cuda.mem_get_info()[0] - free) / 2**30 if engine.on_gpu else 0.0
+        woken_s = engine.push(hf_weights(model, zero_stage=0))
+        after = engine.generate(prompts, pad, eos, greedy)
+    finally:
+        engine.close()
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    expected_free = 0.9 * (weights_gb + cache / 2**30)
+    same = torch.equal(before.sequences, after.sequences)
+    rows_out = [
+        Row(
+            f"vLLM push + greedy rollout ({dtype}, {rows} x {prompt} + {answer})",
+            f"push {push_s:.3f} s, {tokens_per_s:.0f} answer tokens/s, "
+            f"KV cache {cache / 2**30:.2f} GiB",
+            "runs",
+            True,
+        ),
+        Row(
+            "vLLM answers after sleep + push",
+            f"equal to those before: {same} (push after the wake {woken_s:.3f} s)",
+            "equal",
+            same,
+        ),
+    ]
+    if engine.on_gpu:
+        rows_out.append(
+            Row(
+                "vLLM sleep (level 2) frees",
+                f"{freed_gb:.2f} GiB (weights {weights_gb:.2f} + KV {cache / 2**30:.2f})",
+                f">= {expected_free:.2f} GiB",
+                freed_gb >= expected_free,
+            )
+        )
+    return rows_out
+
+
 def _max_difference(a: Path, b: Path, export: str) -> float:
     from safetensors.torch import load_file
 
@@ -298,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     s = setup(out, args.tiny)
     started = time.perf_counter()
     rows: list[Row] = []
-    for check in (check_pipeline, check_hybrid_engine, check_logprob_gap, check_zero3_resume):
+    checks = (check_pipeline, check_hybrid_engine, check_logprob_gap, check_zero3_resume)
+    for check in (*checks, check_vllm):
         print(f"{check.__name__} ...", flush=True)
         try:
             rows += check(s)
