@@ -7,6 +7,7 @@ import torch
 from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
 
 from rlhf import algos
+from rlhf.algos import logits as logits_module
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.7), (10, 0.5), (0, 1.0), (1, 0.9)])
@@ -28,6 +29,26 @@ def test_the_drawn_token_stays_in_the_truncated_set():
     assert got.tolist() == [[3.0, 2.0, float("-inf"), 0.0]]
     logprobs = torch.log_softmax(got, -1)
     assert torch.isfinite(logprobs.gather(-1, drawn.unsqueeze(-1))).all()
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 0.8), (0, 0.6)])
+def test_the_set_found_a_few_positions_at_a_time_is_the_set_found_at_once(
+    monkeypatch, top_k, top_p
+):
+    """A 128k vocabulary's sort is bounded by finding the set TRUNCATION_ROWS positions at a
+    time: the same truncation, the same gradient (through the kept logits only)."""
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
+    keep = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    whole = logits.clone().requires_grad_()
+    expected = algos.truncated_logits(whole, top_k, top_p, keep)
+    algos.logprobs_from_logits(expected, keep).sum().backward()
+    monkeypatch.setattr(logits_module, "TRUNCATION_ROWS", 4)  # 21 positions: 6 chunks
+    chunked = logits.clone().requires_grad_()
+    got = algos.truncated_logits(chunked, top_k, top_p, keep)
+    algos.logprobs_from_logits(got, keep).sum().backward()
+    assert torch.equal(got, expected)
+    assert torch.equal(chunked.grad, whole.grad)
+    assert (chunked.grad[torch.isinf(got)] == 0).all() and torch.isinf(got).any()
 
 
 def _bandit(seed: int = 0):
