@@ -72,7 +72,11 @@ def main(argv: list[str]) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         bench = steps.merged(
             [*data_overrides(args, data), *run_overrides(args, own.warmup + own.repeats)],
-            [*steps.section_modes("ppo", args, actor, critic)["fast"], "ppo.generation_batches=1"],
+            [
+                *steps.section_modes("ppo", args, actor, critic)["fast"],
+                "ppo.generation_batches=1",
+                "ppo.seed_rollouts=true",  # a part's generate draws the iteration's answers
+            ],
         )
         overrides = steps.merged(bench, own.set)
         spec = {"warmup": own.warmup, "repeats": own.repeats, "out": str(run_dir / "floor.json")}
@@ -124,17 +128,18 @@ def floor_recipe(cfg, info, spec: dict) -> dict:
     s = ppo.setup(cfg, info)
     for _ in range(spec["warmup"]):
         ppo.iteration(s)
-    iterations = [timed(lambda: ppo.iteration(s), barrier) for _ in range(spec["repeats"])]
-    parts = part_seconds(s, spec["repeats"], barrier)
+    repeats = [one_repeat(s, barrier) for _ in range(spec["repeats"])]
     s.rollouts.close()
-    iteration = statistics.median(iterations)
-    total = sum(parts.values())
+    iterations = [r.pop("iteration") for r in repeats]
+    parts = {name: statistics.median(r[name] for r in repeats) for name in repeats[0]}
+    ratios = [i / sum(r.values()) for i, r in zip(iterations, repeats, strict=True)]
     result = {
-        "iteration_s": iteration,
+        "iteration_s": statistics.median(iterations),
         "iterations_s": iterations,
         **{f"{name}_s": seconds for name, seconds in parts.items()},
-        "parts_s": total,
-        "ratio": iteration / total,
+        "parts_s": sum(parts.values()),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
         "on_policy_shortcut": s.cfg.ppo.on_policy_shortcut,
         "rollout_logprobs": s.collect.rollout_logprobs,
     }
@@ -143,23 +148,26 @@ def floor_recipe(cfg, info, spec: dict) -> dict:
     return {"bench/floor_ratio": result["ratio"]}
 
 
-def timed(fn, barrier) -> float:
-    """Seconds of ``fn()`` on this rank, the ranks lined up before it (the slowest rank's time
-    is what the next collective waits for, so every rank times the same span)."""
+def timed(fn, barrier) -> tuple[float, object]:
+    """Seconds of ``fn()`` on this rank, the ranks lined up before and after it (the slowest
+    rank's time is what the next collective waits for, so every rank times the same span), and
+    what it returned."""
     barrier()
     started = time.perf_counter()
-    fn()
+    out = fn()
     barrier()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, out
 
 
-def part_seconds(s, repeats: int, barrier) -> dict[str, float]:
-    """Median seconds of each part of an iteration alone, on one batch of this rank's prompts:
-    the forwards the scoring pass makes (the actor's only where the old log-probs are neither
-    the sampler's nor the update's), the update on the scored batch, the push."""
+def one_repeat(s, barrier) -> dict[str, float]:
+    """One iteration and each of its parts alone, on its own batch: the next iteration's prompts
+    and seed (ppo.seed_rollouts), so with the same weights the raw generate draws the very
+    answers the iteration then draws; the forwards the scoring pass makes over them (the actor's
+    only where the old log-probs are neither the sampler's nor the update's); then the
+    iteration; then the update once more on the batch as scored before it, and the push."""
     import torch
 
-    from rlhf.dist import rank
+    from rlhf.dist import rank, world_size
     from rlhf.engine import model_device
     from rlhf.rl.advantages import shaping
     from rlhf.rl.experience import (
@@ -170,21 +178,22 @@ def part_seconds(s, repeats: int, barrier) -> dict[str, float]:
         response_logprobs,
         response_values,
     )
+    from rlhf.steps import ppo
     from rlhf.steps.ppo_update import ppo_update
 
-    cfg, models, collect = s.cfg, s.models, s.collect
+    cfg, models, collect, state = s.cfg, s.models, s.collect, s.run.state
     rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
-    rows = s.plan.micro_batches(s.run.state.epoch, s.run.state.step_in_epoch, rank())[0]
+    [rows] = s.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
     prompts = [s.prompts[i]["prompt_ids"] for i in rows]
+    seed = ppo.rollout_seed(cfg, state.global_step, rank())  # batch k = 0 of world_size()
+    assert seed is not None and s.plan.world_size == world_size()
     record = collect.rollout_logprobs or collect.keep_sampler_logprobs
-    seed = 12345
-
-    def generate():
-        return s.rollouts.generate(
-            prompts, collect.sampling, seed, rules.group_size, rules.temperature if record else None
-        )
-
-    rollout = generate()
+    temperature = rules.temperature if record else None
+    out = {}
+    out["generate"], rollout = timed(
+        lambda: s.rollouts.generate(prompts, collect.sampling, seed, rules.group_size, temperature),
+        barrier,
+    )
     device = model_device(models.actor)
     sequences = rollout.sequences.to(device)
     mask = rollout.attention_mask.to(device)
@@ -194,16 +203,16 @@ def part_seconds(s, repeats: int, barrier) -> dict[str, float]:
         from rlhf.data.packing import pack_rows
 
         args["packing"] = pack_rows(sequences, mask, pad_id=0)
-    forwards = {
-        "reference_forward": lambda: response_logprobs(
-            models.reference, sequences, mask, start, **reference_args(args)
-        )
-    }
-    sampler_or_update = collect.rollout_logprobs or collect.old_from_update
-    if not sampler_or_update or kl_needs_logits(rules.kl_estimator):
+    forwards = {}
+    if not (collect.rollout_logprobs or collect.old_from_update) or kl_needs_logits(
+        rules.kl_estimator
+    ):
         forwards["actor_forward"] = lambda: response_logprobs(
             models.actor, sequences, mask, start, **args
         )
+    forwards["reference_forward"] = lambda: response_logprobs(
+        models.reference, sequences, mask, start, **reference_args(args)
+    )
     if models.critic is not None:
         forwards["critic_forward"] = lambda: response_values(
             models.critic, sequences, mask, start, args.get("packing")
@@ -211,19 +220,13 @@ def part_seconds(s, repeats: int, barrier) -> dict[str, float]:
     forwards["reward_forward"] = lambda: normalised_scores(
         models.reward, sequences, mask, rollout, rules, args.get("packing")
     )
-
-    def median(fn) -> float:
-        return statistics.median(timed(fn, barrier) for _ in range(repeats))
-
-    out = {"generate": median(generate)}
     with torch.no_grad(), eval_modules(*(m for m in (models.actor, models.critic) if m)):
-        out.update({name: median(fn) for name, fn in forwards.items()})
-    experience = collect([*prompts], rules, seed=seed)
-
-    def update():
-        fresh = experience._replace(old_logprobs=experience.old_logprobs.clone())
-        ppo_update(models, fresh, cfg, s.run.state, s.ptx, s.run.guard, s.kl.value)
-
-    out["update"] = median(update)
-    out["sync"] = median(lambda: (s.rollouts.release(), s.rollouts.sync()))
+        out.update({name: timed(fn, barrier)[0] for name, fn in forwards.items()})
+    experience = collect(prompts, rules, seed=seed)  # as the iteration will score it
+    out["iteration"], _ = timed(lambda: ppo.iteration(s), barrier)
+    fresh = experience._replace(old_logprobs=experience.old_logprobs.clone())
+    out["update"], _ = timed(
+        lambda: ppo_update(models, fresh, cfg, state, s.ptx, s.run.guard, s.kl.value), barrier
+    )
+    out["sync"], _ = timed(lambda: (s.rollouts.release(), s.rollouts.sync()), barrier)
     return out
