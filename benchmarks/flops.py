@@ -7,17 +7,25 @@ from pathlib import Path
 
 from benchmarks.runs import phase_rows, run_config
 
+SIZES = (512, 1024, 2048, 3072)
+GEMM_BUDGET_S = 1.0
 
-def matmul_peak(dtype: str, threads: int, sizes: tuple[int, ...] = (3072,)) -> float:
+
+def matmul_peak(dtype: str, threads: int, sizes: tuple[int, ...] = SIZES) -> float:
     """The best FLOP/s of three square fp32 (or bf16) GEMMs of each size on ``threads``
     threads: the machine's practical matmul peak, now (the bench measures it before every run
-    it computes MFU for, so a busy machine lowers both alike)."""
+    it computes MFU for, so a busy machine lowers both alike). Sizes grow while one GEMM at the
+    rate measured so far would take under GEMM_BUDGET_S: a CPU without bf16 units multiplies
+    bf16 at about 1 GFLOP/s, where one 3072 GEMM is a minute and the bench's dozen peaks were
+    most of an hour."""
     import torch
 
     torch.set_num_threads(threads)
     kind = torch.bfloat16 if dtype == "bf16" else torch.float32
     best = 0.0
     for n in sizes:
+        if best and 2 * n**3 / best > GEMM_BUDGET_S:
+            break
         a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
         a @ b  # warm up
         for _ in range(3):

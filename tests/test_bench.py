@@ -422,3 +422,9 @@ def test_the_baseline_runs_with_the_libraries_onednn_caches(tmp_path, monkeypatc
     steps.measure("sft", args, tmp_path / "d.jsonl", "ACTOR", "CRITIC")
     assert seen == {"sft-fast-0": None, "sft-baseline-0": steps.BASELINE_ENV}
     assert set(steps.BASELINE_ENV) == set(ONEDNN_CACHES)
+
+
+def test_the_matmul_peak_stops_growing_before_a_gemm_over_its_budget():
+    # a 100000-square GEMM (20 GB a bf16 matrix) would fail or take hours: the rate measured at 64
+    # predicts far over GEMM_BUDGET_S, so the peak stops there
+    assert flops.matmul_peak("bf16", 1, sizes=(64, 100_000)) > 0
