@@ -1,9 +1,10 @@
-"""``python -m benchmarks floor``: is the PPO iteration at its floor? On one batch, each part of
-an iteration alone (the engine's raw generate of the same prompts with the same seed, so to the
-same lengths; each model's forward over the rollout as the scoring pass makes it; the update's
-forward, backward and optimizer steps; the weight push) against whole iterations, and the ratio
-iteration / sum of parts, for each rollout engine. 1.0 is the floor: the iteration spends
-nothing beyond its parts. Writes floor.json in --out.
+"""``python -m benchmarks floor``: is the PPO iteration at its floor? Each repeat times the
+parts of an iteration alone on the batch the next iteration draws (the engine's raw generate of
+its prompts with its seed, so the very answers; each model's forward over them as the scoring
+pass makes it), then that iteration, then the update (forward, backward, optimizer steps) on
+the same batch and the weight push; the ratio is iteration / sum of parts, its median over the
+repeats, for each rollout engine. 1.0 is the floor: the iteration spends nothing beyond its
+parts. Writes floor.json in --out.
 
     python -m benchmarks floor --scenario dschat                 # bf16, 2 ranks, ZeRO-2
     python -m benchmarks floor --rollout-engine hf --repeats 5   # one engine, more repeats
@@ -11,8 +12,8 @@ nothing beyond its parts. Writes floor.json in --out.
 
 The shapes and the exported models are the steps bench's (benchmarks/steps.py, its options
 apply). Each engine is one real ``python -m rlhf step=ppo`` run (torchrun for several ranks)
-whose PPO recipe is replaced by :func:`floor_recipe`: the real setup, --warmup iterations, the
-timed iterations, then the parts; every rank times the same things between barriers."""
+whose PPO recipe is replaced by :func:`floor_recipe`: the real setup, --warmup iterations, then
+the repeats; every rank times the same things between barriers."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     p = argparse.ArgumentParser(prog="python -m benchmarks floor", description=__doc__)
     p.add_argument("--rollout-engine", default="hf,vllm", help="engines, comma separated")
     p.add_argument("--warmup", type=int, default=2, help="iterations before the timed ones")
-    p.add_argument("--repeats", type=int, default=3, help="timed iterations, and runs of a part")
+    p.add_argument("--repeats", type=int, default=3, help="timed iterations, each with its parts")
     p.add_argument(
         "--set",
         action="append",
@@ -167,7 +168,7 @@ def one_repeat(s, barrier) -> dict[str, float]:
     iteration; then the update once more on the batch as scored before it, and the push."""
     import torch
 
-    from rlhf.dist import rank, world_size
+    from rlhf.dist import rank
     from rlhf.engine import model_device
     from rlhf.rl.advantages import shaping
     from rlhf.rl.experience import (
@@ -177,6 +178,7 @@ def one_repeat(s, barrier) -> dict[str, float]:
         reference_args,
         response_logprobs,
         response_values,
+        scoring_args,
     )
     from rlhf.steps import ppo
     from rlhf.steps.ppo_update import ppo_update
@@ -185,8 +187,7 @@ def one_repeat(s, barrier) -> dict[str, float]:
     rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
     [rows] = s.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
     prompts = [s.prompts[i]["prompt_ids"] for i in rows]
-    seed = ppo.rollout_seed(cfg, state.global_step, rank())  # batch k = 0 of world_size()
-    assert seed is not None and s.plan.world_size == world_size()
+    seed = ppo.rollout_seed(cfg, state.global_step, rank())  # the iteration's only batch
     record = collect.rollout_logprobs or collect.keep_sampler_logprobs
     temperature = rules.temperature if record else None
     out = {}
@@ -198,11 +199,7 @@ def one_repeat(s, barrier) -> dict[str, float]:
     sequences = rollout.sequences.to(device)
     mask = rollout.attention_mask.to(device)
     start = rollout.prompt_width - 1
-    args = dict(fp32=rules.fp32_logits, temperature=rules.temperature, truncation=rules.truncation)
-    if rules.packing:
-        from rlhf.data.packing import pack_rows
-
-        args["packing"] = pack_rows(sequences, mask, pad_id=0)
+    args = scoring_args(rules, sequences, mask)  # as the scoring pass reads the rollout
     forwards = {}
     if not (collect.rollout_logprobs or collect.old_from_update) or kl_needs_logits(
         rules.kl_estimator
@@ -215,10 +212,10 @@ def one_repeat(s, barrier) -> dict[str, float]:
     )
     if models.critic is not None:
         forwards["critic_forward"] = lambda: response_values(
-            models.critic, sequences, mask, start, args.get("packing")
+            models.critic, sequences, mask, start, args["packing"]
         )
     forwards["reward_forward"] = lambda: normalised_scores(
-        models.reward, sequences, mask, rollout, rules, args.get("packing")
+        models.reward, sequences, mask, rollout, rules, args["packing"]
     )
     with torch.no_grad(), eval_modules(*(m for m in (models.actor, models.critic) if m)):
         out.update({name: timed(fn, barrier)[0] for name, fn in forwards.items()})

@@ -261,13 +261,8 @@ def _score(
         else torch.zeros_like(short)  # not recorded: every answer counts as ended
     )
 
-    packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
-    logprob_args = dict(
-        fp32=shaping.fp32_logits,
-        temperature=shaping.temperature,
-        packing=packing,
-        truncation=shaping.truncation,
-    )
+    logprob_args = scoring_args(shaping, sequences, attention_mask)
+    packing = logprob_args["packing"]
     exact_kl = kl_needs_logits(shaping.kl_estimator)  # both models' (B, R, V) logits
     old_logprobs = old_logits = None
     # the sampling pass computed them, but keeps no distributions for an exact KL
@@ -326,6 +321,18 @@ def _score(
         returns=returns,
         short=short,
         unterminated=unterminated,
+    )
+
+
+def scoring_args(shaping: Shaping, sequences: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    """:func:`response_logprobs`' keywords for scoring a rollout under ``shaping``: fp32 logits,
+    the sampling temperature and truncation, and the rows packed where ppo.packing is on."""
+    packing = pack_rows(sequences, attention_mask, pad_id=0) if shaping.packing else None
+    return dict(
+        fp32=shaping.fp32_logits,
+        temperature=shaping.temperature,
+        packing=packing,
+        truncation=shaping.truncation,
     )
 
 
@@ -600,17 +607,10 @@ class LogprobGap:
 def trainer_logprobs(actor, exp: Experience, shaping: Shaping) -> torch.Tensor:
     """(B, R) float32 log-probs of a rollout's answer tokens from the forward the update runs
     (same kernels, logits precision, temperature and packing)."""
-    packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if shaping.packing else None
+    args = scoring_args(shaping, exp.sequences, exp.attention_mask)
     with eval_modules(actor):
         logprobs, _ = response_logprobs(
-            actor,
-            exp.sequences,
-            exp.attention_mask,
-            exp.prompt_width - 1,
-            shaping.fp32_logits,
-            shaping.temperature,
-            packing,
-            shaping.truncation,
+            actor, exp.sequences, exp.attention_mask, exp.prompt_width - 1, **args
         )
     return logprobs.float()
 
