@@ -326,5 +326,5 @@ def hybrid_engine_config(max_out_tokens: int) -> dict:
 
 
 def model_device(engine) -> torch.device:
-    """Where a (DeepSpeed-wrapped) model's parameters live."""
-    return next(engine.module.parameters()).device
+    """Where a model's parameters live (DeepSpeed-wrapped or not)."""
+    return next(getattr(engine, "module", engine).parameters()).device

@@ -1,8 +1,8 @@
 """Held-out evaluation of each step: SFT perplexity and gold accuracy of greedy answers, the
-reward model's pair accuracy and score statistics, PPO's reward, KL and gold accuracy, greedy
-and sampled; DPO's loss and implicit rewards on held-out pairs, its KL and gold accuracy as PPO
-reports them. Every evaluator shards its rows over the ranks with the same number of batches on
-each (ZeRO-3 gathers collectively).
+reward model's pair accuracy, score statistics, calibration and length bias, PPO's reward, KL
+and gold accuracy, greedy and sampled; DPO's loss and implicit rewards on held-out pairs, its KL
+and gold accuracy as PPO reports them. Every evaluator shards its rows over the ranks with the
+same number of batches on each (ZeRO-3 gathers collectively).
 
 Gold metrics exist wherever the data names a task (rlhf.tasks): ``eval/gold_accuracy`` counts
 answers its checker passes (right value AND clean form), and its halves ``eval/gold_correct``
@@ -24,11 +24,12 @@ from rlhf.algos.preference import PREFERENCE_LOSSES, sequence_scores
 from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config, ConfigError, DPOConfig
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
-from rlhf.data.pipeline import TASK
+from rlhf.data.pipeline import SOURCE, TASK
 from rlhf.data.sampling import EVAL_BATCH_ROWS, eval_shards
 from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
 from rlhf.engine import model_device
 from rlhf.models import load_tokenizer, tokenizer_fingerprint
+from rlhf.reward_metrics import ScoredPair, pair_metrics
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
@@ -165,7 +166,8 @@ class SFTEvaluator:
 
 
 class PairEvaluator:
-    """eval/accuracy (chosen scored above rejected), the mean scores, their margin and spread."""
+    """The reward model on held-out pairs: accuracy, mean scores and margin, calibration,
+    margin quantiles, length bias, accuracy per source and rejected kind (rlhf.reward_metrics)."""
 
     def __init__(self, cfg: Config, tokenizer, eval_rows):
         self.cfg, self.tokenizer, self.rows = cfg, tokenizer, eval_rows
@@ -173,48 +175,45 @@ class PairEvaluator:
     @torch.no_grad()
     def __call__(self, engine) -> dict[str, float]:
         engine.eval()
-        device = model_device(engine)
-        sums = torch.zeros(6, dtype=torch.float64)  # pairs, correct, chosen, rejected, s, s^2
-        for indices, valid in eval_shards(
-            len(self.rows), self.cfg.optim.eval_micro_batch_size, world_size(), rank()
-        ):
-            batch = pair_batch(rows_at(self.rows, indices), self.tokenizer.pad_token_id)
-            values = engine(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            scores = (
-                sequence_scores(
-                    values,
-                    batch["attention_mask"].to(device),
-                    batch["response_mask"].to(device),
-                    self.cfg.reward.score_position,
-                )
-                .double()
-                .cpu()
-            )
-            chosen, rejected = scores.chunk(2)
-            keep = torch.tensor(valid)
-            chosen, rejected = chosen[keep], rejected[keep]
-            both = torch.cat([chosen, rejected])
-            sums += torch.stack(
-                [
-                    torch.tensor(float(keep.sum())),
-                    (chosen > rejected).sum(),
-                    chosen.sum(),
-                    rejected.sum(),
-                    both.sum(),
-                    (both**2).sum(),
-                ]
-            )
-        pairs, correct, chosen, rejected, total, squares = all_reduce_sum(*sums.tolist())
-        mean = total / (2 * pairs)
+        pairs = scored_pairs(
+            engine,
+            self.rows,
+            self.tokenizer.pad_token_id,
+            self.cfg.optim.eval_micro_batch_size,
+            self.cfg.reward.score_position,
+        )
         engine.train()
-        return {
-            "eval/accuracy": correct / pairs,
-            "eval/chosen_score": chosen / pairs,
-            "eval/rejected_score": rejected / pairs,
-            "eval/margin": (chosen - rejected) / pairs,
-            "eval/score_mean": mean,
-            "eval/score_std": math.sqrt(max(squares / (2 * pairs) - mean**2, 0.0)),
-        }
+        return pair_metrics(pairs)
+
+
+def scored_pairs(
+    model, rows, pad_id: int, micro_batch_size: int, score_position: str
+) -> list[ScoredPair]:
+    """Every row of ``rows`` scored by ``model`` (each rank scores its shard), on every rank."""
+    device = model_device(model)
+    mine = []
+    for indices, valid in eval_shards(len(rows), micro_batch_size, world_size(), rank()):
+        batch_rows = rows_at(rows, indices)
+        batch = {k: v.to(device) for k, v in pair_batch(batch_rows, pad_id).items()}
+        values = model(batch["input_ids"], batch["attention_mask"])
+        scores = sequence_scores(
+            values, batch["attention_mask"], batch["response_mask"], score_position
+        )
+        chosen, rejected = scores.double().cpu().chunk(2)
+        lengths = batch["response_mask"].sum(-1).cpu().chunk(2)
+        mine += [
+            ScoredPair(
+                chosen=float(chosen[i]),
+                rejected=float(rejected[i]),
+                chosen_len=int(lengths[0][i]),
+                rejected_len=int(lengths[1][i]),
+                source=row.get(SOURCE) or "",
+                rejected_kind=row.get("rejected_kind") or "",
+            )
+            for i, (row, ok) in enumerate(zip(batch_rows, valid))
+            if ok
+        ]
+    return gather_lists(mine)
 
 
 @torch.no_grad()

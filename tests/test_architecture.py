@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
     ("rlhf.config", "rlhf.roles", "rlhf.tuning", "rlhf.dist", "rlhf.files", "rlhf.paths"),
-    ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks"),
+    ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks", "rlhf.reward_metrics"),
     ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
     ("rlhf.data",),
     ("rlhf.rl",),
@@ -23,10 +23,10 @@ LAYERS = (
     ("rlhf.validate", "rlhf.help", "rlhf.preflight"),
     ("rlhf.__main__",),
 )
-# Beside the pipeline: may import any of it, and nothing in the pipeline imports them. chat and
-# compare are the user's other commands; rlhf.tools holds the sweep summary and the launchers'
-# mechanics; rlhf.bench only says that the benchmarks moved to benchmarks/ (outside the package).
-TOOLS = ("rlhf.tools", "rlhf.bench", "rlhf.compare", "rlhf.chat")
+# Beside the pipeline: may import any of it, and nothing in the pipeline imports them. chat,
+# compare and evaluate are the user's other commands; rlhf.tools holds the sweep summary and the
+# launchers' mechanics; rlhf.bench only says that the benchmarks moved to benchmarks/ (outside the package).
+TOOLS = ("rlhf.tools", "rlhf.bench", "rlhf.compare", "rlhf.chat", "rlhf.evaluate")
 # What the wheel ships (pyproject.toml): none of it may import the benchmarks, which it does not
 WHEEL = (PACKAGE, PACKAGE.parent / "hydra_plugins")
 

@@ -55,6 +55,12 @@ def test_headlines_are_before_after_and_change():
         ("ppo", {"perf/eval_share": 0.45}, "evaluation took 45% of this step's wall time"),
         ("sft", {"initial/eval/ppl": 3.0, "eval/ppl": 4.0}, "eval/ppl moved the wrong way"),
         ("reward", {"eval/accuracy": 0.52}, "ranks held-out pairs near chance (0.52)"),
+        (
+            "reward",
+            {"eval/accuracy_chosen_longer": 0.95, "eval/accuracy_chosen_shorter": 0.7},
+            "prefers length: it ranks 0.95 of the pairs right where the chosen answer is the "
+            "longer one, 0.70 where it is the shorter",
+        ),
     ],
 )
 def test_each_alarm_fires_on_its_cause_alone(step, changed, expected):
@@ -172,6 +178,8 @@ def test_next_commands_paste_back_to_the_paths(tmp_path, name):
                 assert words[3:] == ["--path", str(exports[0])]
             elif words[:3] == ["python", "-m", "rlhf.compare"]:
                 assert words[3:] == [str(run_dir), "OTHER_RUN"]
+            elif words[:3] == ["python", "-m", "rlhf.evaluate"]:
+                assert words[3:] == ["reward", "--path", str(exports[0]), "data=OTHER"]
             else:
                 overrides = {o.key_or_group: o.value() for o in parser.parse_overrides(words[3:])}
                 key = "model.path" if step == "sft" else "critic.model.path"

@@ -488,8 +488,10 @@ def test_toy_source():
     train, eval_, dropped = _both_splits(source, seed=1234)
     assert dropped == 0
     assert (len(train), len(eval_)) == (50, 5)
-    # the toy task also gives the demonstration SFT imitates (response), uneven unlike chosen
-    assert train.column_names == eval_.column_names == ["prompt", "chosen", "rejected", "response"]
+    # the toy task also gives the demonstration SFT imitates (response), uneven unlike chosen, and
+    # the kind of each rejected answer (the reward eval's accuracy per kind)
+    columns = ["prompt", "chosen", "rejected", "response", "rejected_kind"]
+    assert train.column_names == eval_.column_names == columns
     assert not set(train["prompt"]) & set(eval_["prompt"])  # the toy test split is held out
     for row in [*train, *eval_]:
         assert row["prompt"].startswith("\n\nHuman: ") and row["prompt"].endswith("\n\nAssistant:")

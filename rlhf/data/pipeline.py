@@ -50,9 +50,12 @@ from rlhf.models import tokenizer_fingerprint
 log = logging.getLogger(__name__)
 
 PHASES = ("sft", "reward", "ppo")
-FORMAT_VERSION = 2  # bump when the tokenised layout changes
+FORMAT_VERSION = 3  # bump when the tokenised layout changes
 _SOURCE = "_source"  # temporary column: which source a row came from, for messages
 TASK = "task"  # the task whose checker grades answers to the row's prompt ("": none)
+SOURCE = "source"  # the data.sources entry a row came from (a reward model's accuracy per source)
+# columns a row keeps through tokenisation as they are: the task's kind of rejected answer
+KEPT = (TASK, SOURCE, "rejected_kind")
 _OVERLONG = "_overlong"  # temporary column: the prompt was longer than max_prompt_len
 LOG_FILE = "rlhf_log.json"  # in a cache entry: the lines its build logged, as [level, text]
 
@@ -166,6 +169,7 @@ def _build(
         if len(pairs) == 0:
             raise SourceError(no_rows_message(source, phase, split, loaded, data))
         pairs = pairs.add_column(_SOURCE, [describe(source)] * len(pairs))
+        pairs = pairs.add_column(SOURCE, [name] * len(pairs))
         parts.append(pairs.add_column(TASK, [source_task(source) or ""] * len(pairs)))
     rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if split == "eval" and data.max_eval_rows and len(rows) > data.max_eval_rows:
@@ -291,8 +295,9 @@ class _Tokenize:
             "chosen_ids": self.answer([batch["chosen"][i] for i in keep], lens),
             "rejected_ids": self.answer([batch["rejected"][i] for i in keep], lens),
         }
-        if TASK in batch:
-            out[TASK] = [batch[TASK][i] for i in keep]
+        for column in KEPT:
+            if column in batch:
+                out[column] = [batch[column][i] for i in keep]
         if "response" in batch:  # the demonstration SFT imitates
             out["response_ids"] = self.answer([batch["response"][i] for i in keep], lens)
         if "responses" in batch:

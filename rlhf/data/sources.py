@@ -136,6 +136,8 @@ def task_pair(row: Row) -> Row | None:
         if not _is_text(row["response"]):
             return None
         pair["response"] = row["response"]
+    if pair is not None and "rejected_kind" in row:  # a reward model's accuracy per kind
+        pair["rejected_kind"] = str(row["rejected_kind"])
     return pair
 
 
@@ -758,10 +760,12 @@ def _map(source: Any, raw: datasets.Dataset) -> datasets.Dataset:
         source.adapter in GENERATED or "response" in (source.columns or {})
     )
     has_ranked = "responses" in raw.column_names
+    keeps_kind = source.adapter in GENERATED and "rejected_kind" in raw.column_names
     out_columns = [
         *PAIR_COLUMNS,
         *(["responses"] if has_ranked else []),
         *(["response"] if keeps_response else []),
+        *(["rejected_kind"] if keeps_kind else []),
     ]
     try:
         return raw.map(

@@ -26,7 +26,12 @@ HEADLINES = {
         ("eval/ppl", "held-out perplexity"),
         ("eval/gold_accuracy", "gold accuracy, greedy"),
     ),
-    "reward": (("eval/accuracy", "held-out pairs ranked right"),),
+    "reward": (
+        ("eval/accuracy", "held-out pairs ranked right"),
+        ("eval/ece", "calibration error of sigmoid(margin)"),
+        ("eval/accuracy_chosen_longer", "pairs ranked right, chosen answer longer"),
+        ("eval/accuracy_chosen_shorter", "pairs ranked right, chosen answer shorter"),
+    ),
     "ppo": (
         ("eval/gold_accuracy", "gold accuracy, greedy"),
         ("eval/gold_accuracy_sampled", "gold accuracy, sampled"),
@@ -90,7 +95,7 @@ def iteration_split(summary: dict[str, Any]) -> tuple[str, str] | None:
 
 def alarms(step: str, summary: dict[str, Any]) -> list[str]:
     """What went wrong or looks suspicious, one line each (none: an empty list)."""
-    checks = (_hacking, _skipped, _unterminated, _worse, _eval_share)
+    checks = (_hacking, _skipped, _unterminated, _worse, _length_bias, _eval_share)
     return [found for check in checks if (found := check(step, summary))]
 
 
@@ -137,6 +142,24 @@ def _worse(step: str, summary: dict[str, Any]) -> str | None:
     if key is None or after is None or before is None or not worse(before, after):
         return None
     return f"{key} moved the wrong way: {_show(before)} -> {_show(after)}"
+
+
+LENGTH_BIAS_ALARM = 0.2  # accuracy gap, chosen longer vs shorter, worth a word
+
+
+def _length_bias(step: str, summary: dict[str, Any]) -> str | None:
+    """A reward model right far more often when the chosen answer is the longer one scores
+    length, which PPO then learns to produce."""
+    longer = _number(summary.get("eval/accuracy_chosen_longer"))
+    shorter = _number(summary.get("eval/accuracy_chosen_shorter"))
+    if step != "reward" or longer is None or shorter is None:
+        return None
+    if longer - shorter <= LENGTH_BIAS_ALARM:
+        return None
+    return (
+        f"the reward model prefers length: it ranks {longer:.2f} of the pairs right where the "
+        f"chosen answer is the longer one, {shorter:.2f} where it is the shorter"
+    )
 
 
 def _eval_share(step: str, summary: dict[str, Any]) -> str | None:
@@ -228,6 +251,12 @@ def next_commands(step: str, run_dir: Path, exports: list[Path]) -> list[tuple[s
                 f"python -m rlhf step=ppo actor.model.path=SFT_RUN/model "
                 f"{_override('critic.model.path', names['model'])}",
                 "PPO against this reward model",
+            )
+        )
+        out.append(
+            (
+                f"python -m rlhf.evaluate reward --path {_arg(names['model'])} data=OTHER",
+                "its eval table on other preference data",
             )
         )
     if step == "ppo" and "actor" in names:
