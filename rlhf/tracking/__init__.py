@@ -18,6 +18,7 @@ import torch
 
 from rlhf.config import LoggerConfig
 from rlhf.tracking import lineage
+from rlhf.tracking.tensorboard_run import TensorBoardRun
 from rlhf.tracking.wandb_run import (
     HEADLINE,
     STEP_METRIC,
@@ -132,9 +133,7 @@ class Tracker:
                 self.run_dir, cfg, job_type, run_name, config, group, run_id, overrides
             )
         elif cfg.backend == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tensorboard = TensorBoardRun(self.run_dir, job_type, overrides)
 
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` needs to resume this tracker."""
@@ -156,8 +155,7 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log({**metrics, STEP_METRIC: step})
         if self._tensorboard is not None:
-            for key, value in metrics.items():
-                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.log(metrics, step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         """Sample generations: a JSONL file in the run dir, and a W&B table."""
@@ -193,7 +191,7 @@ class Tracker:
             )
             self._wandb.finish()
         if self._tensorboard is not None:
-            self._tensorboard.close()
+            self._tensorboard.close(self.summary_metrics)
 
 
 def peak_memory_gb() -> float:

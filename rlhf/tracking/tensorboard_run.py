@@ -1,0 +1,64 @@
+"""A TensorBoard run that TensorBoard's HParams tab compares: the job's sweep axes as its
+hyperparameters (the session start), every metric as a scalar, the headline values at its end.
+
+No experiment summary is written: with none, TensorBoard builds the experiment from every
+session start under its log dir (the union of the jobs' axes) and the metrics from every
+scalar tag, so ``tensorboard --logdir SWEEP_DIR`` compares jobs that each only know their own
+overrides. One job writing its own experiment summary would hide the others' axes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf.tracking.wandb_run import HEADLINE, changed_keys, is_untagged, job_overrides
+
+
+def session_hparams(changed: dict[str, str], job_type: str) -> dict[str, str | float | bool]:
+    """``step`` and each changed key but where the job writes or how it is tracked, typed as
+    HParams types them: numbers (a learning-rate axis sorts and plots as one), true / false,
+    else the text."""
+    axes = {k: hparam_value(v) for k, v in changed.items() if k != "step" and not is_untagged(k)}
+    return {"step": job_type, **axes}
+
+
+def hparam_value(text: str) -> str | float | bool:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+class TensorBoardRun:
+    """A SummaryWriter on ``run_dir/tensorboard`` whose first event is the session start."""
+
+    def __init__(self, run_dir: Path, job_type: str, overrides: list[str] | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        changed = changed_keys(job_overrides() if overrides is None else overrides)
+        self.hparams = session_hparams(changed, job_type)
+        _, session_start, self._session_end = hparams(self.hparams, {})
+        self.writer.file_writer.add_summary(session_start)
+        self.logged: set[str] = set()
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self.writer.add_scalar(key, value, step)
+                self.logged.add(key)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        """The headline values only the summary holds (throughput, peak memory) as scalars at
+        the last step, so the HParams table has them, then the session's end."""
+        step = int(summary.get("step", 0) or 0)
+        for key in HEADLINE:
+            value = summary.get(key)
+            if key not in self.logged and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+        self.writer.file_writer.add_summary(self._session_end)
+        self.writer.close()
