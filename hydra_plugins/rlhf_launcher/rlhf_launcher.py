@@ -28,7 +28,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from rlhf.tools import launcher as mechanics
-from rlhf.tools import sweep_summary
+from rlhf.tools import sweep_summary, wandb_sweep
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class RlhfLauncher(Launcher):
         finally:  # interrupted too: the table of the jobs that ran
             print(self._write_summary(sweep_dir), flush=True)
         log.info(f"Sweep summary: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}")
+        self._log_to_wandb(sweep_dir)
         return self._report_failures(returns, failures, sweep_dir)
 
     def _report_failures(
@@ -237,6 +238,15 @@ class RlhfLauncher(Launcher):
         assert self.config is not None
         return Path(str(self.config.hydra.sweep.dir)).absolute()
 
+    def _records(self) -> list[sweep_summary.RunRecord]:
+        return [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
+
     def _write_summary(self, sweep_dir: Path) -> str:
-        records = [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
-        return sweep_summary.write_summary(records, sweep_dir, "job", self.summary_metrics)
+        return sweep_summary.write_summary(self._records(), sweep_dir, "job", self.summary_metrics)
+
+    def _log_to_wandb(self, sweep_dir: Path) -> None:
+        """logger=wandb: the table, failed jobs included, as a run in the sweep's W&B group."""
+        assert self.config is not None
+        logger = self.config.get("logger")
+        if logger is not None:
+            wandb_sweep.log_sweep(sweep_dir, self._records(), logger, self.summary_metrics)

@@ -134,6 +134,7 @@ class SlurmLauncher(RlhfLauncher):
         finally:
             print(self._write_summary(sweep_dir), flush=True)
         log.info(f"Sweep summary: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}")
+        self._log_to_wandb(sweep_dir)
         returns, failures = [], []
         for job in jobs:
             outcome = ends[job.index]
