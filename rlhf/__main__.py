@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
+from rlhf.config.logger import TAGS_ACCEPTED
 from rlhf.roles import (
     pipeline_steps,
     share_command_line,
@@ -276,6 +277,9 @@ def _preflight(args: list[str]) -> None:
         given = False
         for override in OverridesParser.create().parse_overrides(parsed.overrides):
             value = override.value()
+            if override.key_or_group == "logger.tags" and isinstance(value, dict):
+                # Hydra cannot merge a dict into the list: its error would name no fix
+                raise ConfigError(f"logger.tags={value!r}: expected {TAGS_ACCEPTED}")
             if override.key_or_group in made and isinstance(value, str):
                 preflight.check_output_dir(override.key_or_group, value)
                 given = True

@@ -193,7 +193,8 @@ def test_overlong_prompts_are_counted(policy, tmp_path, tokenizer, caplog):
     assert len(out) == (40 if policy == "truncate" else 36)
     assert all(f"data.overlong_prompts={policy}" in m for m in counted)
     assert ("skipped" if policy == "skip" else "left-truncated") in counted[0]
-    assert list(out[0]) == ["prompt", "task", "prompt_ids", "chosen_ids", "rejected_ids"]
+    assert list(out[0]) == ["prompt", "source", "task", "prompt_ids", "chosen_ids", "rejected_ids"]
+    assert out[0]["source"] == "local"  # the data.sources key (the reward eval's per-source split)
 
 
 def test_overlong_policy_is_part_of_the_cache_key(tmp_path, tokenizer):
@@ -796,6 +797,45 @@ def test_online_wandb_without_a_key_is_one_line(tmp_path, cache_dir, monkeypatch
     assert proc.stderr.strip().startswith(
         "error: logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`)"
     )
+
+
+def test_online_wandb_with_a_server_that_does_not_answer_is_one_line(tmp_path, cache_dir):
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    env = {**NO_TRACE, "HOME": str(tmp_path), "WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": closed}
+    proc = run_rlhf(
+        ["step=sft", "logger=wandb", "logger.mode=online", *FAST, *cache_overrides(cache_dir)],
+        run_dir=tmp_path / "run",
+        check=False,
+        timeout=300,
+        extra_env=env,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: logger.mode=online: the W&B server {closed} does not answer (")
+    assert "logger.mode=offline" in line and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_server_that_answers_any_status_is_reachable():
+    import http.server
+    import threading
+
+    from rlhf.tracking.wandb_run import unreachable
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    try:  # BaseHTTPRequestHandler answers 501 to a GET: an answer all the same
+        assert unreachable(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5) is None
+    finally:
+        server.server_close()
+    assert unreachable("http://127.0.0.1:" + str(_closed_port()), timeout_s=5) is not None
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_all_zero_phase_split_says_not_all_zero():

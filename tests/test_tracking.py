@@ -16,7 +16,7 @@ import pytest
 import wandb
 
 from rlhf.config import ConfigError, LoggerConfig, register_configs
-from rlhf.tools import declare_inputs
+from rlhf.tools import declare_inputs, sweep_summary, wandb_sweep
 from rlhf.tools.sweep_summary import HEADLINE as TABLE_HEADLINE
 from rlhf.tracking import Tracker, lineage
 from rlhf.tracking.wandb_run import HEADLINE, STEP_METRIC, changed_keys, run_tags, short_tag
@@ -288,6 +288,171 @@ def test_an_input_w_and_b_cannot_find_is_a_warning(tmp_path, recorder, monkeypat
     assert (tmp_path / "dpo" / "summary.json").is_file()
 
 
+# --- 4. the sweep in W&B -----------------------------------------------------------------------
+
+
+def fake_sweep(sweep_dir: Path) -> list[Path]:
+    """Three job dirs as the launchers leave them: two completed, one failed."""
+    jobs = []
+    for index, (lr, summary) in enumerate(
+        [("1e-3", {"eval/loss": 1.5, "perf/tokens_per_s": 900.0}), ("1e-4", {"eval/loss": 2.5}),
+         ("-1", None)]
+    ):  # fmt: skip
+        job = sweep_dir / f"optim.lr={lr}"
+        job.mkdir(parents=True)
+        status = "FAILED" if summary is None else "COMPLETED"
+        note = "optim.lr=-1: expected > 0" if summary is None else ""
+        record = {"index": index, "overrides": ["step=sft", f"optim.lr={lr}"], "status": status,
+                  "wall_s": 10.0 + index, "note": note}  # fmt: skip
+        (job / sweep_summary.JOB_FILE).write_text(json.dumps(record))
+        if summary is not None:
+            (job / "summary.json").write_text(json.dumps({"step": 4, **summary}))
+        jobs.append(job)
+    return jobs
+
+
+def sweep_records(jobs: list[Path]) -> list:
+    return [sweep_summary.load_record(d, label=str(i)) for i, d in enumerate(jobs)]
+
+
+def test_the_sweep_table_is_logged_as_summary_md_shows_it(tmp_path, recorder):
+    calls, _ = recorder
+    sweep_dir = tmp_path / "2026-12-04_10-00-00"
+    records = sweep_records(fake_sweep(sweep_dir))
+    markdown = sweep_summary.write_summary(records, sweep_dir, "job")
+    wandb_sweep.log_sweep(sweep_dir, records, LoggerConfig(backend="wandb", mode="offline"))
+    [(init,)] = of(calls, "init")
+    assert init["job_type"] == "sweep" and init["group"] == sweep_dir.name  # the jobs' group
+    assert init["id"] == wandb_sweep.sweep_run_id(sweep_dir) and init["resume"] == "allow"
+    assert init["config"]["shared_overrides"] == ["step=sft"]
+    [(row, _)] = of(calls, "log")
+    table = row[wandb_sweep.TABLE_KEY]
+    header = [c.strip() for c in markdown.splitlines()[3].strip("|").split("|")]
+    assert table.columns == header  # summary.md's columns, in its order
+    by_job = {r[0]: dict(zip(table.columns, r)) for r in table.data}
+    assert by_job["0"]["eval/loss"] == 1.5 and by_job["0"]["perf/tokens_per_s"] == 900.0
+    assert by_job["1"]["perf/tokens_per_s"] is None and by_job["1"]["wall_s"] == 11.0
+    assert by_job["2"]["status"] == "FAILED" and by_job["2"]["note"] == "optim.lr=-1: expected > 0"
+    assert by_job["2"]["overrides"] == "optim.lr=-1"
+    assert of(calls, "summary") == [({"jobs": 3, "jobs_completed": 2, "jobs_failed": 1},)]
+    assert calls[-1] == ("finish",)
+
+
+def test_no_sweep_run_without_wandb_and_a_wandb_error_is_a_warning(
+    tmp_path, recorder, monkeypatch, caplog
+):
+    calls, _ = recorder
+    records = sweep_records(fake_sweep(tmp_path))
+    wandb_sweep.log_sweep(tmp_path, records, LoggerConfig(backend="tensorboard"))
+    wandb_sweep.log_sweep(tmp_path, records, LoggerConfig(backend="wandb", mode="disabled"))
+    assert calls == []
+
+    def down(**kwargs):
+        raise wandb.errors.CommError("server unreachable")
+
+    monkeypatch.setattr(wandb, "init", down)
+    with caplog.at_level(logging.WARNING):
+        wandb_sweep.log_sweep(tmp_path, records, LoggerConfig(backend="wandb", mode="online"))
+    assert "the sweep's table was not logged (server unreachable)" in caplog.text
+
+
+def test_the_basic_launchers_callback_logs_the_sweep_and_the_rlhf_launchers_do_not(
+    tmp_path, recorder
+):
+    """conf/config.yaml registers the callback; Hydra calls it where the sweep ends."""
+    from hydra.utils import instantiate
+
+    calls, _ = recorder
+    sweep_dir = tmp_path / "sweep"
+    fake_sweep(sweep_dir)
+    (sweep_dir / "multirun.yaml").write_text("{}")
+    for launcher, logged in (("basic", 1), ("rlhf", 0)):
+        calls.clear()
+        cfg = compose([f"hydra/launcher={launcher}", f"hydra.sweep.dir={sweep_dir}",
+                       "logger=wandb", "logger.mode=offline"], hydra_config=True)  # fmt: skip
+        callback = instantiate(cfg.hydra.callbacks.sweep_to_wandb)
+        assert isinstance(callback, wandb_sweep.SweepToWandb)
+        callback.on_multirun_end(config=cfg)
+        assert len(of(calls, "init")) == logged, launcher
+
+
+def test_the_rlhf_launcher_logs_its_table_failed_jobs_included(tmp_path, recorder):
+    from hydra_plugins.rlhf_launcher.rlhf_launcher import RlhfLauncher
+
+    calls, _ = recorder
+    sweep_dir = tmp_path / "sweep"
+    launcher = RlhfLauncher()
+    launcher.config = compose(["logger=wandb", "logger.mode=offline"])
+    launcher.jobs = list(enumerate(fake_sweep(sweep_dir)))
+    launcher._log_to_wandb(sweep_dir)
+    [(row, _)] = of(calls, "log")
+    statuses = [r[2] for r in row[wandb_sweep.TABLE_KEY].data]
+    assert statuses == ["COMPLETED", "COMPLETED", "FAILED"]
+    calls.clear()
+    launcher.config = compose([])  # logger=none: no sweep run
+    launcher._log_to_wandb(sweep_dir)
+    assert calls == []
+
+
+# --- 5. TensorBoard's HParams ------------------------------------------------------------------
+
+
+def read_tensorboard(run_dir: Path):
+    """(the session start's hparams, whether the session ended, {tag: [(step, value)]}) from
+    the event files, as TensorBoard's HParams plugin reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    ended = metadata.SESSION_END_INFO_TAG in content
+    assert metadata.EXPERIMENT_TAG not in content  # inferred from all the sweep's jobs
+    hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in
+               start.hparams.items()}  # fmt: skip
+    scalars = {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+    return hparams, ended, scalars
+
+
+def test_tensorboard_gets_the_sweep_axes_as_hparams_and_the_headlines(tmp_path):
+    overrides = [*SWEEP_JOB, "optim.lr=1e-4", "zero.offload=true", "logger=tensorboard"]
+    t = Tracker(tmp_path, LoggerConfig(backend="tensorboard"), "reward", "run", {}, "g", True,
+                None, overrides)  # fmt: skip
+    t.log({"train/loss": 2.0}, step=1)
+    t.log({"train/loss": 1.5, "eval/accuracy": 0.75}, step=2)
+    t.summary({"perf/tokens_per_s": 123.0, "perf/wall_s": 9.0})
+    t.close()
+    hparams, ended, scalars = read_tensorboard(tmp_path)
+    # typed: a number axis sorts as numbers; where the job writes or logs is no axis
+    assert hparams == {
+        "step": "reward",
+        "zero": "stage3",
+        "lora": "r8",
+        "algo": "grpo",
+        "seed": 2.0,
+        "optim.extra": 1.0,
+        "optim.lr": 1e-4,
+        "zero.offload": True,
+    }
+    assert ended
+    assert scalars["train/loss"] == [(1, 2.0), (2, 1.5)] and scalars["eval/accuracy"] == [(2, 0.75)]
+    # a headline only the summary holds is a scalar at the last step; others are not written
+    assert scalars["perf/tokens_per_s"] == [(2, 123.0)] and "perf/wall_s" not in scalars
+
+
+def test_a_tensorboard_run_that_did_not_end_has_no_session_end(tmp_path):
+    t = Tracker(tmp_path, LoggerConfig(backend="tensorboard"), "sft", "run", {}, None, True, None,
+                ["seed=3"])  # fmt: skip
+    t.log({"train/loss": 2.0}, step=1)
+    t._tensorboard.writer.flush()  # a run killed here: its events are on disk, its end is not
+    hparams, ended, _ = read_tensorboard(tmp_path)
+    assert hparams == {"step": "sft", "seed": 3.0} and not ended
+    t._tensorboard.writer.close()
+
+
 # --- 6. offline --------------------------------------------------------------------------------
 
 
@@ -372,6 +537,31 @@ def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, monkeypatch):
     assert written["eval/loss"] == 2.5  # the last, not the best
 
 
+def test_an_offline_sweep_run_holds_the_table(tmp_path, monkeypatch):
+    """The real client offline: the sweep's run (job type sweep, the jobs' group) and its table
+    are in the file ``wandb sync`` uploads."""
+    for name, value in (
+        ("WANDB_MODE", "offline"),
+        ("WANDB_DIR", tmp_path),
+        ("WANDB_CACHE_DIR", tmp_path / "cache"),
+        ("WANDB_CONFIG_DIR", tmp_path / "config"),
+        ("WANDB_SERVICE", ""),
+    ):
+        monkeypatch.setenv(name, str(value))  # as in the test above (WANDB_SERVICE too)
+    sweep_dir = tmp_path / "sweep"
+    records = sweep_records(fake_sweep(sweep_dir))
+    wandb_sweep.log_sweep(sweep_dir, records, LoggerConfig(backend="wandb", mode="offline"))
+    [log_file] = sweep_dir.glob("wandb/offline-run-*/run-*.wandb")
+    found = {}
+    for record in read_records(log_file):
+        found.setdefault(record.WhichOneof("record_type"), []).append(record)
+    [run] = [r.run for r in found["run"]]
+    assert run.job_type == "sweep" and run.run_group == "sweep"
+    assert run.run_id == wandb_sweep.sweep_run_id(sweep_dir)
+    logged = {item.key or item.nested_key[0] for r in found["history"] for item in r.history.item}
+    assert wandb_sweep.TABLE_KEY in logged
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
@@ -392,6 +582,21 @@ def test_a_bad_logger_value_is_one_line_before_training(override, line):
         validated(compose(["step=sft", "logger=wandb", override]))
     [found] = [ln for ln in str(err.value).splitlines() if line in ln]
     assert "logger.tags=[baseline,try-2]" in found or "log_model" in found
+
+
+def test_a_mapping_of_tags_is_one_line_not_hydras_merge_error():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cmd = [sys.executable, "-m", "rlhf", "step=sft", "logger=wandb", "logger.tags={a:1}"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: logger.tags={'a': 1}: expected a list of tags of 1 to 64 characters, as in "
+        "logger.tags=[baseline,try-2]"
+    )
 
 
 def test_the_default_is_reference_and_good_tags_pass():

@@ -9,6 +9,7 @@ LOGGER_BACKENDS = ("none", "wandb", "tensorboard")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOG_MODEL = ("none", "reference", "upload")
 TAG_LIMIT = 64  # W&B refuses a longer tag (and an empty one)
+TAGS_ACCEPTED = f"a list of tags of 1 to {TAG_LIMIT} characters, as in logger.tags=[baseline,try-2]"
 
 
 @dataclass
@@ -38,10 +39,7 @@ class LoggerConfig:
             out.append(("log_model", self.log_model, f"one of {', '.join(LOG_MODEL)}"))
         # tags is typed Any so that a value that is no list reaches this check, not Hydra's
         if not _is_tag_list(self.tags):
-            accepted = (
-                f"a list of tags of 1 to {TAG_LIMIT} characters, as in logger.tags=[baseline,try-2]"
-            )
-            out.append(("tags", self.tags, accepted))
+            out.append(("tags", self.tags, TAGS_ACCEPTED))
         return out
 
 

@@ -70,7 +70,7 @@ def changed_keys(overrides: list[str]) -> dict[str, str]:
 def run_tags(changed: dict[str, str], job_type: str, user_tags: list) -> list[str]:
     """``step=<job type>`` (step=all's sub-runs: their own step), a short ``key=value`` for each
     other changed key, then the user's ``logger.tags``; each once."""
-    tags = [short_tag(k, v) for k, v in changed.items() if k != "step" and not _untagged(k)]
+    tags = [short_tag(k, v) for k, v in changed.items() if k != "step" and not is_untagged(k)]
     return list(dict.fromkeys([f"step={job_type}", *tags, *map(str, user_tags)]))
 
 
@@ -86,7 +86,7 @@ def short_tag(key: str, value: str) -> str:
     return f"{key}=...{value[-room:]}"
 
 
-def _untagged(key: str) -> bool:
+def is_untagged(key: str) -> bool:
     return _is_under(key, UNTAGGED)
 
 
@@ -155,15 +155,45 @@ def _api_key_known() -> bool:
         return False
 
 
+DEFAULT_SERVER = "https://api.wandb.ai"
+PROBE_TIMEOUT_S = 10
+
+
 def wandb_problem(cfg: LoggerConfig) -> str | None:
-    """logger.mode=online without an API key: W&B would fail at its first request (or ask for a
-    key on a terminal); say so before anything runs."""
-    if cfg.backend != "wandb" or cfg.mode != "online" or _api_key_known():
+    """logger.mode=online without an API key, or with a server that does not answer: W&B would
+    fail at its first request (or ask for a key on a terminal, or retry for minutes); say so
+    before anything runs."""
+    if cfg.backend != "wandb" or cfg.mode != "online":
+        return None
+    if not _api_key_known():
+        return (
+            "logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`); log in, or "
+            "use logger.mode=offline (upload later with `wandb sync`) or auto"
+        )
+    server = os.environ.get("WANDB_BASE_URL") or DEFAULT_SERVER
+    why = unreachable(server)
+    if why is None:
         return None
     return (
-        "logger.mode=online: no W&B API key (WANDB_API_KEY, or `wandb login`); log in, or use "
-        "logger.mode=offline (upload later with `wandb sync`) or auto"
+        f"logger.mode=online: the W&B server {server} does not answer ({why}); check the "
+        "network (or WANDB_BASE_URL), or use logger.mode=offline (upload later with `wandb sync`)"
     )
+
+
+def unreachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``url`` gives no HTTP answer (any status is an answer), or None. Through the
+    environment's proxies, as the W&B client goes."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        return str(reason) or type(err).__name__
+    return None
 
 
 def wandb_mode(requested: str) -> str:
