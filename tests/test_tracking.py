@@ -495,17 +495,30 @@ def read_records(path: Path):
             yield record
 
 
-def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, monkeypatch):
+@pytest.fixture
+def real_offline_wandb(tmp_path, monkeypatch):
+    """The real client, offline, in a W&B session of this test's own: a session an earlier test
+    of this worker started would ignore the settings below (CI saw an offline file without its
+    run record after one)."""
+    wandb.teardown()
+    for name, value in (
+        ("WANDB_MODE", "offline"),
+        ("WANDB_DIR", tmp_path),
+        ("WANDB_CACHE_DIR", tmp_path / "cache"),
+        ("WANDB_CONFIG_DIR", tmp_path / "config"),
+        # wandb.init leaves its service's address in os.environ; unset again after this test, or
+        # every rlhf process a later test of this worker starts joins that service, where a
+        # resumed run's id is still "in use" by the killed run before it
+        ("WANDB_SERVICE", ""),
+    ):
+        monkeypatch.setenv(name, str(value))
+    yield
+    wandb.teardown()
+
+
+def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, real_offline_wandb):
     """The real client offline: tags, the overrides entry, the step metric, the artifact by
     reference and, as the run's final summary, summary.json's headline values."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    # wandb.init leaves its service's address in os.environ; unset again after this test, or every
-    # rlhf process a later test of this worker starts joins that service, where a resumed run's id
-    # is still "in use" by the killed run before it
-    monkeypatch.setenv("WANDB_SERVICE", "")
     run_dir = tmp_path / "run"
     t = tracker(run_dir, ["zero=stage3", "lora=r8"], mode="offline")
     for step, loss in ((0, 3.0), (2, 2.0), (4, 2.5)):
@@ -537,17 +550,9 @@ def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, monkeypatch):
     assert written["eval/loss"] == 2.5  # the last, not the best
 
 
-def test_an_offline_sweep_run_holds_the_table(tmp_path, monkeypatch):
+def test_an_offline_sweep_run_holds_the_table(tmp_path, real_offline_wandb):
     """The real client offline: the sweep's run (job type sweep, the jobs' group) and its table
     are in the file ``wandb sync`` uploads."""
-    for name, value in (
-        ("WANDB_MODE", "offline"),
-        ("WANDB_DIR", tmp_path),
-        ("WANDB_CACHE_DIR", tmp_path / "cache"),
-        ("WANDB_CONFIG_DIR", tmp_path / "config"),
-        ("WANDB_SERVICE", ""),
-    ):
-        monkeypatch.setenv(name, str(value))  # as in the test above (WANDB_SERVICE too)
     sweep_dir = tmp_path / "sweep"
     records = sweep_records(fake_sweep(sweep_dir))
     wandb_sweep.log_sweep(sweep_dir, records, LoggerConfig(backend="wandb", mode="offline"))
