@@ -31,7 +31,6 @@ from rlhf.roles import (
     step_values_text,
     unread_problems,
 )
-from rlhf.tuning import settle
 from rlhf.validate import (
     check_launch,
     fit_lengths,
@@ -78,7 +77,6 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     info_dir = None
     overrides = list(hydra_cfg.overrides.task)
     share_command_line(cfg, overrides)
-    settle(cfg)  # the embedded default's values or the real ones, as the record will say
     try:
         raise_problems(unread_problems(cfg.step.name, overrides), "step=ppo")
         config = validated(cfg)

@@ -71,7 +71,6 @@ def composed(path: str, overrides: list[str]):
     from rlhf.config import ConfigError, schema
     from rlhf.help import CONF_DIR
     from rlhf.roles import share_command_line
-    from rlhf.tuning import settle
     from rlhf.validate import validated
 
     given = ["step=reward", f"model.path={path}", *overrides]
@@ -85,7 +84,6 @@ def composed(path: str, overrides: list[str]):
     with open_dict(cfg):
         cfg.pop("hydra", None)
     share_command_line(cfg, given)
-    settle(cfg)
     return validated(cfg)
 
 

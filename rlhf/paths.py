@@ -1,5 +1,5 @@
 """Whether a name in a config is a local path or a hub id ("owner/name"): the one rule the model
-checks, the data sources and the embedded default's tuning all read."""
+checks, the data sources and the tiny model's check all read."""
 
 from __future__ import annotations
 

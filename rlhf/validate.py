@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf import registry, tasks
 from rlhf.config import (
+    TINY_VOCAB_SIZE,
     Config,
     ConfigError,
     LoraConfig,
@@ -284,7 +285,49 @@ def config_problems(config: Config, produced: tuple[Path, ...] = ()) -> list[str
         prefix = f"data.sources.{name}."
         out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
     out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
-    return out + offload_problems(config)
+    return out + tiny_tuning_problems(config) + offload_problems(config)
+
+
+# the embedded model's vocabulary is the shipped tokenizer's 1280 and the few tokens a run adds
+# (its pad, its end-of-text); a real tokenizer has tens of thousands
+TINY_VOCAB_LIMIT = 2 * TINY_VOCAB_SIZE
+
+
+def tiny_tuning_problems(config: Config) -> list[str]:
+    """model=tiny selects the embedded model's tuning (conf/tuning/tiny/: SFT at lr 2e-3 ...),
+    which would wreck a real model: under it a local model directory must be the embedded model
+    or an export of it (a hub id: :func:`launch_problems`)."""
+    out = []
+    for key, path in _tiny_paths(config):
+        vocab = (_model_json_at(path) or {}).get("vocab_size") if looks_local(path) else None
+        if isinstance(vocab, int) and vocab > TINY_VOCAB_LIMIT:
+            out.append(tiny_tuning_problem(key, path, f"a model of {vocab} tokens"))
+    return out
+
+
+def tiny_tuning_problem(key: str, path: str, what: str) -> str:
+    return (
+        f"{key}={path}: {what}, under model=tiny, whose tuning (conf/tuning/tiny/: lr 2e-3 ...) "
+        "is the 1M embedded model's; choose the model's option for its published values "
+        "(model=opt-1.3b ...; conf/model/ holds one a model, add yours: its name and path)"
+    )
+
+
+def _tiny_paths(config: Config) -> list[tuple[str, str]]:
+    """(key, path) of each model path the step reads under a model named tiny."""
+    out = [(f"{prefix}model.path", model.path) for prefix, model, _ in _trained(config)]
+    if config.step.name == "ppo":
+        out += [(f"{r}.twin_path", getattr(config, r).twin_path) for r in ("actor", "critic")]
+    names = {"model": config.model.name, "actor": config.actor.model.name}
+    names["critic"] = config.critic.model.name
+    return [(k, p) for k, p in out if p is not None and names[k.split(".")[0]] == "tiny"]
+
+
+def _model_json_at(path: str) -> dict[str, Any] | None:
+    try:
+        return read_model_config(path, path)
+    except ConfigError:
+        return None  # the model checks report it
 
 
 def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str, object, str]]:
@@ -354,6 +397,10 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
         if reasons:
             why = f"null or false here: not exactly on-policy ({'; '.join(reasons)})"
             out.append(("ppo.on_policy_shortcut", True, why))
+    budget = config.data.max_seq_len - config.data.max_prompt_len
+    if not ppo.max_new_tokens and 0 < budget <= (ppo.overlong_buffer or 0):
+        why = f"fewer tokens than the answer budget (data.max_seq_len - data.max_prompt_len = {budget})"
+        out.append(("ppo.overlong_buffer", ppo.overlong_buffer, why))
     if ppo.rollout_engine == "vllm" and config.actor.hybrid_engine:
         why = "false with ppo.rollout_engine=vllm (vLLM decodes the rollouts)"
         out.append(("actor.hybrid_engine", True, why))
@@ -740,6 +787,9 @@ def launch_problems(config: Config) -> list[str]:
     from rlhf.tracking import wandb_problem
 
     out = hub_problems(config)
+    for key, path in _tiny_paths(config):  # a model on the hub is never the embedded one
+        if not looks_local(path) and not any(p.startswith(f"{key}=") for p in out):
+            out.append(tiny_tuning_problem(key, path, "a hub model"))
     decodes_on_vllm = config.step.name in ("ppo", "all") and config.ppo.rollout_engine == "vllm"
     if decodes_on_vllm and (problem := vllm_problem()):
         out.append(f"ppo.rollout_engine=vllm: {problem}")

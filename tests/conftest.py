@@ -100,7 +100,7 @@ def assert_contains(expected, actual, where: str) -> None:
             if key == "defaults" or OmegaConf.is_missing(expected, key):
                 continue
             assert key in actual, f"{where}.{key} missing"
-            if OmegaConf.is_interpolation(expected, key):  # ${toy_or_real:...}: as written
+            if OmegaConf.is_interpolation(expected, key):  # ${optim.lr}: as written
                 written = expected._get_node(key)._value()
                 assert actual._get_node(key)._value() == written, f"{where}.{key}"
                 continue

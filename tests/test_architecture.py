@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
-    ("rlhf.config", "rlhf.roles", "rlhf.tuning", "rlhf.dist", "rlhf.files", "rlhf.paths"),
+    ("rlhf.config", "rlhf.roles", "rlhf.dist", "rlhf.files", "rlhf.paths"),
     ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks", "rlhf.reward_metrics"),
     ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
     ("rlhf.data",),
@@ -139,7 +139,7 @@ def test_the_checker_finds_what_it_is_for(tmp_path):
 
 
 def test_one_rule_says_what_is_a_local_path(tmp_path, monkeypatch):
-    """Models, data and the embedded default's tuning read rlhf.paths; data adds file names."""
+    """Models, data and the tiny model's check read rlhf.paths; data adds file names."""
     from rlhf.data import sources
     from rlhf.paths import looks_local
 

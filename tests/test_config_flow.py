@@ -137,9 +137,9 @@ def test_lora_dropout_reaches_the_ppo_models_and_is_refused(tmp_path):
         assert problem.startswith(f"{role}.lora.dropout=0.1: expected 0.0")
 
 
-# --- item 1: the toy's tuning applies to the embedded default only -------------------------------
+# --- item 1: the embedded model's tuning is model=tiny's, in conf/tuning/tiny/ ------------------
 
-# the keys rlhf/tuning.py's pairs set, per step, and their embedded-default values
+# the keys conf/tuning/tiny/ sets, per step, and their values
 TOY = {
     "sft": {"optim.lr": 2e-3, "optim.epochs": 6, "optim.micro_batch_size": 32},
     "reward": {"optim.lr": 2e-4, "optim.epochs": 3, "optim.micro_batch_size": 16},
@@ -150,6 +150,9 @@ DSCHAT_STEP = CONF_DIR / "experiment_step" / "deepspeed-chat"
 # DeepSpeed-Chat's step2_dpo_finetuning/training_scripts/opt/single_node/run_350m.sh
 DSCHAT_DPO = {"optim.lr": 5e-5, "optim.weight_decay": 0.1, "optim.epochs": 1}
 SCALE_KEYS = ("lr", "weight_decay", "epochs", "micro_batch_size", "eval_micro_batch_size")
+TINY_FILES = sorted((CONF_DIR / "tuning" / "tiny").glob("*.yaml")) + sorted(
+    (CONF_DIR / "algo_tuning" / "tiny").glob("*.yaml")
+)
 
 
 def value(cfg, key: str):
@@ -187,37 +190,100 @@ def test_a_real_model_on_real_data_gets_deepspeed_chats_values(step):
 
 @pytest.mark.parametrize(
     "overrides",
-    [
-        ["model=opt-125m"],  # a real model on the toy data
-        ["data=rm-static"],  # the tiny model on real data
-        ["data=[toy,rm-static]"],  # real data among the toy's
-        ["model.path=facebook/opt-125m"],  # a hub id under model=tiny's name
-    ],
-    ids=lambda o: o[0],
+    [["model=opt-125m"], ["model=opt-125m", "data=[toy,rm-static]"], ["experiment=opt-1.3b-350m"]],
+    ids=lambda o: o[-1],
 )
-def test_any_real_part_gets_the_real_values(overrides):
+def test_a_real_model_gets_the_real_values_on_any_data(overrides):
     cfg = composed(["step=sft", *overrides])
     assert (cfg.optim.lr, cfg.optim.epochs) == (9.65e-6, 16)
 
 
-def test_a_model_dir_is_told_by_its_vocabulary(tmp_path):
-    """An export of the embedded model keeps its tuning; a real model's directory does not."""
+@pytest.mark.parametrize("data", ["data=rm-static", "data=[toy,rm-static]", "data=toy_tools"])
+def test_the_tiny_model_keeps_its_tuning_on_any_data(data):
+    """Its sizes are the 1M model's, whatever it trains on: at DeepSpeed-Chat's lr 9.65e-6 it
+    would learn nothing in a run's time."""
+    cfg = composed(["step=sft", data])
+    assert (cfg.optim.lr, cfg.optim.epochs) == (2e-3, 6)
+
+
+def toy_values(step: str, algo: str) -> dict:
+    """key -> value of what conf/tuning/tiny/ sets at ``step`` under ``algo`` (interpolations,
+    another key's value, left out)."""
+    files = [CONF_DIR / "tuning" / "tiny" / f"{step}.yaml"]
+    files.append(CONF_DIR / "algo_tuning" / "tiny" / f"{algo}.yaml")
+    out = {}
+    for path in [f for f in files if f.exists()]:
+        node = OmegaConf.load(path)
+        for parent in node.get("defaults", []):  # the files each includes
+            out |= _leaf_values(OmegaConf.load(CONF_DIR / f"{parent.lstrip('/')}.yaml"))
+        out |= _leaf_values(node)
+    return out
+
+
+def _leaf_values(node, prefix=""):
+    out = {}
+    for key in node:
+        if key == "defaults" or OmegaConf.is_interpolation(node, key):
+            continue
+        if OmegaConf.is_dict(node[key]):
+            out |= _leaf_values(node[key], f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = node[key]
+    return out
+
+
+@pytest.mark.parametrize("algo", sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml")))
+def test_a_real_model_holds_no_toy_sized_value_under_any_algo(algo):
+    """Every value the embedded model's tuning sets (any step, any algorithm) is another in each
+    step a real-model command runs (--cfg job composes them the same way)."""
+    for step in ("all", "sft", "reward", "ppo", "dpo"):
+        toy = toy_values(step, algo)
+        assert toy, (step, algo)  # every step has the embedded model's values
+        cfg = composed([f"step={step}", f"algo={algo}", "model=opt-1.3b", "data=rm-static"])
+        for key, toy_value in toy.items():
+            assert value(cfg, key) != toy_value, (algo, step, key)
+
+
+def test_cfg_job_of_a_real_model_under_grpo_has_deepspeed_chats_sizes():
+    job = cfg_job(["model=opt-1.3b", "data=rm-static", "algo=grpo", "step=ppo"])
+    assert job["ppo"]["per_device_generation_batch_size"] == 4
+    assert (job["ppo"]["kl_coef"], job["actor"]["optim"]["lr"]) == (0.04, 9.65e-6)
+
+
+def test_the_tuning_is_chosen_by_the_model_option_and_never_read_from_disk(tmp_path, monkeypatch):
+    """Which values run follows model=, never a probe of a model directory; a directory that is
+    not the embedded model under model=tiny is refused, naming the fix."""
+    from rlhf import validate
+    from rlhf.config import TINY_VOCAB_SIZE
     from rlhf.models import tiny_model_dir
-    from rlhf.tuning import TINY_VOCAB_SIZE
 
     tiny = tiny_model_dir(compose().model, str(tmp_path / "cache"))
     assert yaml.safe_load((tiny / "config.json").read_text())["vocab_size"] == TINY_VOCAB_SIZE
     real = tmp_path / "opt"
     real.mkdir()
     (real / "config.json").write_text('{"model_type": "opt", "vocab_size": 50272}')
-    for step, model in [("sft", "model.path"), ("dpo", "model.path"), ("ppo", "actor.model.path")]:
-        kept = composed([f"step={step}", f"{model}={tiny}"])
-        assert OmegaConf.select(kept, "optim.lr") == {"sft": 2e-3, "dpo": 2e-5, "ppo": 1e-4}[step]
-        real_run = composed([f"step={step}", f"{model}={real}"])
-        assert OmegaConf.select(real_run, "optim.lr") == published(step).get("optim.lr", 9.65e-6)
-    # step=all's later steps read exports not written yet: the model option tells
-    assert composed(["step=dpo", f"model.path={tmp_path}/later/model"]).optim.lr == 2e-5
-    assert composed(["step=dpo", "model=opt-125m", f"model.path={tmp_path}/x"]).optim.lr == 5e-5
+    for step, key in [("sft", "model.path"), ("dpo", "model.path"), ("ppo", "actor.model.path")]:
+        kept = composed([f"step={step}", f"{key}={tiny}", f"critic.model.path={tiny}"])
+        assert value(kept, "optim.lr") == {"sft": 2e-3, "dpo": 2e-5, "ppo": 1e-4}[step]
+        validated(kept)
+        refused = composed([f"step={step}", f"{key}={real}", f"critic.model.path={tiny}"])
+        with pytest.raises(
+            ConfigError, match=rf"{key}={real}: a model of 50272 tokens, under model=tiny"
+        ):
+            validated(refused)
+        named = composed([f"step={step}", "model=opt-1.3b", f"{key}={real}"])
+        assert value(named, "optim.lr") == published(step).get("optim.lr", 9.65e-6)
+    hub = validated(composed(["step=sft", "model.path=facebook/opt-125m"]))
+    monkeypatch.setattr(validate, "_hub_cached", lambda repo_id, kind: True)  # as once downloaded
+    [problem] = validate.launch_problems(hub)
+    assert problem.startswith("model.path=facebook/opt-125m: a hub model, under model=tiny")
+    monkeypatch.setattr(validate, "_hub_cached", lambda repo_id, kind: False)
+    monkeypatch.setattr(validate, "_hub_answer", lambda repo_id, kind: "unreachable")
+    [problem] = validate.launch_problems(hub)  # the hub's own problem, alone
+    assert "the hub is not reachable" in problem
+    # step=all's later steps read exports not written yet: nothing to refuse
+    later = tmp_path / "later" / "model"
+    validated(composed(["step=dpo", f"model.path={later}"]), produced=(later,))
 
 
 def test_a_value_set_anywhere_replaces_the_pair():
@@ -231,11 +297,14 @@ def test_a_value_set_anywhere_replaces_the_pair():
     )
 
 
-def test_a_bad_value_at_a_paired_key_is_reported():
-    """A pair is a value of its own: its problems are not left to another key."""
-    paths = ["actor.model.path=facebook/opt-125m", "critic.model.path=facebook/opt-125m"]
-    with pytest.raises(ConfigError, match=r"ppo\.per_device_training_batch_size=4: expected"):
-        validated(composed(["step=ppo", "ppo.grad_accum=5", *paths]))
+@pytest.mark.parametrize(("model", "batch"), [("tiny", 32), ("opt-125m", 4)])
+def test_a_bad_value_at_a_tuned_key_is_reported_there(model, batch, tmp_path):
+    """The embedded model's tuning and the real values set a key as any file does: its problems
+    are reported at that key."""
+    paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+    match = rf"ppo\.per_device_training_batch_size={batch}: expected"
+    with pytest.raises(ConfigError, match=match):
+        validated(composed(["step=ppo", f"model={model}", "ppo.grad_accum=5", *paths]))
 
 
 def test_cfg_job_at_step_all_lists_what_each_step_runs_with():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf import algos, registry
-from rlhf.config import ConfigError, register_configs, to_config
+from rlhf.config import TINY_VOCAB_SIZE, ConfigError, register_configs, to_config
 from rlhf.rl.advantages import Shaping
 from rlhf.rl.experience import (
     Collector,
@@ -24,7 +24,6 @@ from rlhf.rl.experience import (
 )
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.rollouts import HFRollouts
-from rlhf.tuning import TINY_VOCAB_SIZE
 from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
@@ -35,7 +34,7 @@ register_configs()
 @pytest.fixture
 def PPO(tmp_path):
     """step=ppo on exports of the embedded default (their config.json has the shipped tokenizer's
-    vocabulary), so the toy tuning applies as on `python -m rlhf`."""
+    vocabulary, as model=tiny asks)."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE}))
     return ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
 
@@ -60,6 +59,12 @@ BAD = [
         "ppo.overlong_buffer",
         "16",
         "fewer tokens than ppo.max_new_tokens (16)",
+    ),
+    (
+        ["ppo.overlong_buffer=32"],  # the toy's answers: 64 - 32 tokens
+        "ppo.overlong_buffer",
+        "32",
+        "fewer tokens than the answer budget (data.max_seq_len - data.max_prompt_len = 32)",
     ),
     (["ppo.dynamic_sampling_rounds=-2"], "ppo.dynamic_sampling_rounds", "-2", ">= 0"),
     (
@@ -351,6 +356,19 @@ def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do(PPO):
     assert (dapo.clip_range, dapo.clip_high, dapo.kl_coef) == (0.2, 0.28, 0.0)
     assert dapo.dynamic_sampling and dapo.overlong_buffer > 0
     assert dapo.loss_aggregation == "token-mean"
+
+
+def test_dapos_overlong_buffer_is_a_fifth_of_the_answer_budget_unless_given(tmp_path):
+    from rlhf.rl.advantages import overlong_buffer
+
+    assert (overlong_buffer(None, 256), overlong_buffer(None, 32), overlong_buffer(8, 32)) == (
+        51,
+        6,
+        8,
+    )
+    paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
+    real = validated(compose(["algo=dapo", "step=ppo", "model=opt-1.3b", *paths]))
+    assert real.ppo.overlong_buffer is None  # a real model on the toy's 32-token answers: 6
 
 
 def test_the_algos_sweep_composes_each_algorithm_on_the_same_start():

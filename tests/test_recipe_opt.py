@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.tuning import TINY_VOCAB_SIZE
+from rlhf.config import TINY_VOCAB_SIZE
 from tests.conftest import CONF_DIR, cache_overrides, read_metrics, read_summary, run_rlhf
 
 RECIPE = "experiment=opt-1.3b-350m"

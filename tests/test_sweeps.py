@@ -19,9 +19,8 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf
 
-from rlhf.config import register_configs
+from rlhf.config import TINY_VOCAB_SIZE, register_configs
 from rlhf.tools import launcher as mechanics
-from rlhf.tuning import TINY_VOCAB_SIZE, is_embedded_default
 from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
@@ -347,9 +346,11 @@ def test_two_rank_job_inside_a_sweep(tmp_path, cache_dir):
 
 def test_the_algos_sweep_runs_every_algorithm_on_the_tool_task():
     """-cd sweeps -cn algos data=toy_tools: every job validates on the multi-turn task, with the
-    embedded default's tuning (toy_tools is one of its tasks)."""
+    embedded model's tuning (conf/tuning/tiny/: SFT's lr 2e-3)."""
     params = sweep_axes("algos", ["data=toy_tools"])
     for value in params["algo"]:
         job = validated(compose_sweep("algos", ["data=toy_tools", f"algo={value}"]))
         assert list(job.data.sources) == ["toy_tools"]
-        assert job.step.name == "all" and is_embedded_default(job)
+        assert job.step.name == "all" and job.model.name == "tiny"
+        steps = compose_sweep("algos", ["data=toy_tools", f"algo={value}", "step=sft"])
+        assert steps.optim.lr == 2e-3

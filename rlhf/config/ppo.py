@@ -22,8 +22,8 @@ class PPOConfig:
     rank, then runs ppo_epochs passes over them in per_device_training_batch_size rows."""
 
     # -- batches
-    per_device_generation_batch_size: int = 32  # prompts a rank generates for at once
-    per_device_training_batch_size: int = 32  # rollout rows per update micro batch
+    per_device_generation_batch_size: int = 4  # prompts a rank generates for at once
+    per_device_training_batch_size: int = 4  # rollout rows per update micro batch
     generation_batches: int = 1  # generation batches per iteration (DeepSpeed-Chat's)
     ppo_epochs: int = 1  # passes over each iteration's rollout
     epochs: int = 1  # passes over the prompt set
@@ -97,11 +97,10 @@ class PPOConfig:
     # attention), padded elsewhere (logged)
     packing: bool | None = None
     # -- reward shaping
-    # weight of the per-token KL penalty to the reference in the reward (DeepSpeed-Chat's: 0.1).
-    # On the embedded default 0.3 keeps the held-out answers' correctness where SFT left it while
-    # the habits go, in both batch settings; with 4 PPO epochs x 2 generation batches, 0.2 loses
-    # 3-5 points of it and 0.1 more
-    kl_coef: float = 0.3
+    # weight of the per-token KL penalty to the reference in the reward (DeepSpeed-Chat's). The
+    # embedded model's is 0.3 (conf/tuning/tiny/common.yaml): it keeps the held-out answers'
+    # correctness where SFT left it while the habits go; 0.2 loses 3-5 points of it, 0.1 more
+    kl_coef: float = 0.1
     # the per-token KL to the reference, by name (an entry of rlhf.registry.KL_ESTIMATORS):
     # k1, k2, k3 read the answer's tokens, unbiased only if they were sampled; full reads both
     # models' logits. Greedy rollouts bias the estimates upwards (argmax tokens):
@@ -126,8 +125,9 @@ class PPOConfig:
     # still starts from critic.model.path (a causal LM there gets a new value head)
     reward_function: str | None = None
     # DAPO's overlong penalty: an answer longer than max_new_tokens - overlong_buffer tokens
-    # loses up to overlong_penalty from its score, linearly over the buffer; 0: off
-    overlong_buffer: int = 0
+    # loses up to overlong_penalty from its score, linearly over the buffer; 0: off; null: a
+    # fifth of the answer budget (DAPO's 4096 of 20480 tokens)
+    overlong_buffer: int | None = 0
     overlong_penalty: float = 1.0  # what an answer of max_new_tokens tokens loses
     # -- advantages
     # how each answer token's advantage is computed, by name (an entry of
@@ -352,15 +352,16 @@ class PPOConfig:
             out.append(("clip_low", self.clip_low, "null or a float in [0, 1]"))
         if self.clip_high is not None and self.clip_high < 0:
             out.append(("clip_high", self.clip_high, "null or a float >= 0"))
+        if self.overlong_buffer is not None and self.overlong_buffer < 0:
+            out.append(("overlong_buffer", self.overlong_buffer, "null or a number >= 0"))
         for key in (
-            "overlong_buffer",
             "overlong_penalty",
             "dynamic_sampling_rounds",
             "critic_warmup_steps",
         ):
             if getattr(self, key) < 0:
                 out.append((key, getattr(self, key), "a number >= 0"))
-        if 0 < self.max_new_tokens <= self.overlong_buffer:
+        if 0 < self.max_new_tokens <= (self.overlong_buffer or 0):
             out.append(
                 (
                     "overlong_buffer",

@@ -17,10 +17,7 @@ from rlhf.config.root import Config
 
 
 def register_configs() -> None:
-    from rlhf.tuning import toy_or_real
-
     ConfigStore.instance().store(name="base_config", node=Config)
-    OmegaConf.register_new_resolver("toy_or_real", toy_or_real, replace=True)
 
 
 def problem_message(key: str, value: Any, accepted: str) -> str:
@@ -60,13 +57,11 @@ def to_config(cfg: DictConfig, *checks: Callable[[Config], list[str]]) -> Config
 
 
 def interpolated_keys(node: DictConfig, prefix: str = "") -> set[str]:
-    """The dotted keys of ``node`` whose value is an interpolation of another key (${...}; a
-    ${toy_or_real:...} pair is a value of its own)."""
+    """The dotted keys of ``node`` whose value is an interpolation of another key (${...})."""
     out = set()
     for key in node:
         if OmegaConf.is_interpolation(node, key):
-            if not str(node._get_node(key)._value()).startswith("${toy_or_real:"):
-                out.add(f"{prefix}{key}")
+            out.add(f"{prefix}{key}")
         elif not OmegaConf.is_missing(node, key) and OmegaConf.is_dict(node[key]):
             out |= interpolated_keys(node[key], f"{prefix}{key}.")
     return out
