@@ -11,7 +11,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -397,26 +397,91 @@ class AdaptersOff:
         return self.engine.module.parameters()
 
 
-def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
-    """Every parameter and buffer, complete and on CPU, on rank 0 (None elsewhere). Under
-    ZeRO-3 all ranks must call this: each parameter is gathered in turn."""
+# --- ZeRO-3: partitioned parameters gathered a bucket at a time ----------------------------------
+
+
+def module_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix, module) in state-dict order; a module's own tensors are ``prefix + name``."""
+    return [(f"{name}." if name else "", module) for name, module in model.named_modules()]
+
+
+def own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def own_tensors(prefix: str, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters and persistent buffers, detached, named as its state dict does."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield prefix + name, param.detach()
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buffer.detach()
+
+
+def gathered_tensors(
+    units: Sequence[tuple[str, torch.nn.Module]],
+    params: Callable[[torch.nn.Module], list[torch.nn.Parameter]],
+    read: Callable[[str, torch.nn.Module], Iterable[tuple[str, torch.Tensor]]],
+    zero_stage: int,
+    bucket_bytes: int = 256 << 20,
+    device: str | torch.device | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) that ``read(prefix, unit)`` gives, unit after unit. ZeRO-3: the ``params``
+    of consecutive units are gathered together (DeepSpeed's GatheredParameters) until they hold
+    ``bucket_bytes``, so the whole model is never gathered at once, and the tensors read are
+    copies (the gathered storage is released after each bucket); every rank must iterate to the
+    end (the gathers are collective). ``device``: every tensor is a copy there, whatever the
+    stage; None: ZeRO-3's copies stay where the parameters are, other stages' are not copies."""
+
+    def copies(bucket):
+        return [
+            (name, tensor.to(device or tensor.device, copy=True))
+            for prefix, unit in bucket
+            for name, tensor in read(prefix, unit)
+        ]
+
     if zero_stage != 3:
-        return (
-            {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            if is_main()
-            else None
-        )
+        for prefix, unit in units:
+            yield from (read(prefix, unit) if device is None else copies([(prefix, unit)]))
+        return
     import deepspeed
 
-    state = {} if is_main() else None
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            if state is not None:
-                state[name] = param.detach().cpu().clone()
-    if state is not None:
-        for name, buf in module.named_buffers():
-            state[name] = buf.detach().cpu().clone()
-    return state
+    for bucket in _buckets(units, params, bucket_bytes):
+        gathered = [p for _, unit in bucket for p in params(unit)]  # DeepSpeed drops repeats
+        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None):
+            tensors = copies(bucket)
+        yield from tensors
+
+
+def _buckets(units, params, bucket_bytes: int) -> Iterator[list[tuple[str, torch.nn.Module]]]:
+    bucket, size = [], 0
+    for prefix, unit in units:
+        bucket.append((prefix, unit))
+        size += sum(_full_bytes(p) for p in params(unit))
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _full_bytes(param: torch.nn.Parameter) -> int:
+    """A parameter's gathered size (ZeRO-3 keeps its full element count in ds_numel)."""
+    return getattr(param, "ds_numel", param.numel()) * param.element_size()
+
+
+def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor] | None:
+    """The state dict, complete, copied to CPU, on rank 0 (None elsewhere). Under ZeRO-3 all
+    ranks must call this: the parameters are gathered a bucket at a time."""
+    main = is_main()
+
+    def read(prefix: str, unit: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+        return own_tensors(prefix, unit) if main else ()  # the others only join the gathers
+
+    units = module_units(module)
+    state = dict(gathered_tensors(units, own_parameters, read, zero_stage, device="cpu"))
+    return state if main else None
 
 
 def export_pretrained(
