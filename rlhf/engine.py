@@ -286,9 +286,10 @@ def quiet_deepspeed() -> None:
 
 
 def initialize_frozen(model, zero_stage: int, offload: bool, dtype: str, micro_batch_size: int):
-    """A forward-only model. At ZeRO-3 (following its trained twin), or when offloaded, a
-    DeepSpeed ZeRO-3 engine with partitioned (optionally CPU-resident) parameters; otherwise the
-    plain module on the device (no optimizer state, nothing to partition)."""
+    """A forward-only model (the reference or the reward model). At ZeRO-3 (following the actor,
+    the critic), or when offloaded, a DeepSpeed ZeRO-3 engine with partitioned (optionally
+    CPU-resident) parameters; otherwise the plain module on the device (no optimizer state,
+    nothing to partition)."""
     import deepspeed
 
     model.requires_grad_(False)

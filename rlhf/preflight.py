@@ -1,7 +1,8 @@
 """Checks of a command line before Hydra runs it, each failing with one line (a ConfigError)
 where Hydra would print a traceback or a message with no way out: an override Hydra cannot
 parse (a path the shell split at a space, an unquoted accent), a YAML file with a syntax
-error, a run directory that cannot be made; and Hydra's composition errors as one line."""
+error or a renamed key, a run directory that cannot be made; and Hydra's composition errors as
+one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf.config import ConfigError
+from rlhf.config import RENAMED_KEYS, ConfigError, unknown_key
 
 QUOTE_HINT = (
     "quote the value inside the argument, as in \"data.sources.local.path='/my data/x.jsonl'\" "
@@ -65,9 +66,10 @@ def check_yaml_files(config_dirs: list[Path]) -> None:
 
 def check_yaml_file(path: Path) -> None:
     """A YAML syntax error as one line: file, line, the parser's message (Hydra reports it as
-    a 75-line traceback)."""
+    a 75-line traceback); a renamed key as one line naming the new key (Hydra's own error is
+    several naming the schema's class)."""
     try:
-        yaml.safe_load(path.read_text())
+        content = yaml.safe_load(path.read_text())
     except yaml.MarkedYAMLError as err:
         mark, start = err.problem_mark or err.context_mark, err.context_mark
         where = f"{path}, line {mark.line + 1}" if mark else str(path)
@@ -78,6 +80,22 @@ def check_yaml_file(path: Path) -> None:
         raise ConfigError(f"{where}: YAML syntax error: {message}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: YAML error: {err}") from None
+    for key in _dotted_keys(content):
+        # under whatever package the file lands (actor: {twin_path: ...} in a _global_ file),
+        # or as a sweep's axis (hydra.sweeper.params: {critic.offload_twin: ...})
+        old = next((o for o in RENAMED_KEYS if key == o or key.endswith("." + o)), None)
+        if old is not None:
+            raise ConfigError(f"{path}: {key}: {unknown_key(old)}")
+
+
+def _dotted_keys(node, prefix: str = "") -> list[str]:
+    """Every key of a parsed YAML mapping, nested ones dotted (``actor.model.path``)."""
+    if not isinstance(node, dict):
+        return []
+    out = []
+    for name, value in node.items():
+        out += [f"{prefix}{name}", *_dotted_keys(value, f"{prefix}{name}.")]
+    return out
 
 
 _on_yaml_error: list[Callable[[ConfigError], None] | None] = [None]

@@ -97,15 +97,16 @@ def models_to_check(config: Config) -> list[ModelToCheck]:
             "the reward model goes in critic.model.path"
         )
         out.append(ModelToCheck("actor.model.path", actor.path, CAUSAL, actor, need))
-        twins = (config.actor.twin_path, config.critic.twin_path)
-        # the critic's frozen twin is the reward model, unless a rule scores the answers
+        reference, reward = config.actor.reference_path, config.critic.reward_model_path
+        # critic.model.path is the reward model too, unless critic.reward_model_path names
+        # another or a rule scores the answers
         scores = config.ppo.reward_function is None
-        reward_kind = REWARD if scores and twins[1] is None else VALUE
-        out.append(ModelToCheck("critic.model.path", critic.path, reward_kind, critic))
+        critic_kind = REWARD if scores and reward is None else VALUE
+        out.append(ModelToCheck("critic.model.path", critic.path, critic_kind, critic))
         need = "the actor's reference is a causal LM, the SFT export (RUN/sft/model)"
-        out.append(ModelToCheck("actor.twin_path", twins[0], CAUSAL, actor, need))
-        twin_kind = REWARD if scores else VALUE
-        out.append(ModelToCheck("critic.twin_path", twins[1], twin_kind, critic))
+        out.append(ModelToCheck("actor.reference_path", reference, CAUSAL, actor, need))
+        reward_model_kind = REWARD if scores else VALUE
+        out.append(ModelToCheck("critic.reward_model_path", reward, reward_model_kind, critic))
     out = [m for m in out if m.path is not None]
     return [m for m in out if os.path.isdir(os.path.expanduser(m.path))]
 
@@ -317,7 +318,7 @@ def _tiny_paths(config: Config) -> list[tuple[str, str]]:
     """(key, path) of each model path the step reads under a model named tiny."""
     out = [(f"{prefix}model.path", model.path) for prefix, model, _ in _trained(config)]
     if config.step.name == "ppo":
-        out += [(f"{r}.twin_path", getattr(config, r).twin_path) for r in ("actor", "critic")]
+        out += _frozen_paths(config)
     names = {"model": config.model.name, "actor": config.actor.model.name}
     names["critic"] = config.critic.model.name
     return [(k, p) for k, p in out if p is not None and names[k.split(".")[0]] == "tiny"]
@@ -341,9 +342,9 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
 
     paths = {"model.path": config.model.path, "reward.gold_policy": config.reward.gold_policy}
     if config.step.name == "ppo":
-        for role in ("actor", "critic"):
+        for role, (key, path) in zip(("actor", "critic"), _frozen_paths(config)):
             paths[f"{role}.model.path"] = getattr(config, role).model.path
-            paths[f"{role}.twin_path"] = getattr(config, role).twin_path
+            paths[key] = path
     return [
         (
             key,
@@ -502,7 +503,7 @@ def ppo_model_problems(config: Config) -> list[str]:
     for role in ("actor", "critic") if registry.uses_critic(config.ppo) else ("actor",):
         trained = getattr(config, role)
         out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
-    actor, reward = config.actor.model, config.critic.frozen_path
+    actor, reward = config.actor.model, config.critic.reward_model_source
     local = [p and os.path.isdir(os.path.expanduser(p)) for p in (actor.path, reward)]
     if config.ppo.reward_function is None and all(local):
         from rlhf.models import end_of_text_id, load_tokenizer, read_stats
@@ -594,6 +595,14 @@ def _trained(config: Config) -> list[tuple[str, ModelConfig, Any]]:
             for r in ("actor", "critic")
         ]
     return [("", config.model, config.zero)]
+
+
+def _frozen_paths(config: Config) -> list[tuple[str, str | None]]:
+    """(key, path) of PPO's frozen models' own paths (null: the trained model's path)."""
+    return [
+        ("actor.reference_path", config.actor.reference_path),
+        ("critic.reward_model_path", config.critic.reward_model_path),
+    ]
 
 
 def _hub_config_json(repo_id: str) -> dict[str, Any] | None:
@@ -706,7 +715,7 @@ def _hub_ids(config: Config) -> list[tuple[str, str, str]]:
     if config.step.name == "reward":
         pairs.append(("reward.gold_policy", config.reward.gold_policy))
     if config.step.name == "ppo":
-        pairs += [(f"{r}.twin_path", getattr(config, r).twin_path) for r in ("actor", "critic")]
+        pairs += _frozen_paths(config)
     out = [(key, value, "model") for key, value in pairs if value and not looks_local(value)]
     for name, source in config.data.sources.items():
         if (

@@ -263,9 +263,14 @@ MODELS = [
         ["critic.model.path={sft}", "a causal LM (OPTForCausalLM", "not a reward model"],
     ),
     (
-        "sft-export-as-reward-twin",
-        ["step=ppo", "actor.model.path={sft}", "critic.model.path={sft}", "critic.twin_path={sft}"],
-        ["critic.twin_path={sft}", "a causal LM (OPTForCausalLM", "ppo.reward_function"],
+        "sft-export-as-reward-model-path",
+        [
+            "step=ppo",
+            "actor.model.path={sft}",
+            "critic.model.path={sft}",
+            "critic.reward_model_path={sft}",
+        ],
+        ["critic.reward_model_path={sft}", "a causal LM (OPTForCausalLM", "ppo.reward_function"],
     ),
     (
         "reward-model-as-sft-base",
@@ -334,9 +339,9 @@ def test_preflight_accepts_matching_models(model_dirs):
     cfg.critic.model.path = str(model_dirs["reward"])
     assert preflight.model_problems(cfg) == []
     cfg.critic.model.path = str(model_dirs["sft"])  # a causal LM as critic: it gets a new head
-    cfg.critic.twin_path = str(model_dirs["reward"])  # ...and the reward model scores
+    cfg.critic.reward_model_path = str(model_dirs["reward"])  # ...and the reward model scores
     assert preflight.model_problems(cfg) == []
-    cfg.critic.twin_path = None
+    cfg.critic.reward_model_path = None
     cfg.ppo.reward_function = "toy_gold"  # ...or a rule scores
     assert preflight.model_problems(cfg) == []
     cfg.ppo.reward_function, cfg.critic.model.path = None, str(model_dirs["reward"])

@@ -1,5 +1,5 @@
 """PPO's four models (issue 29 items 4 and 5): the reward model and the critic's start from
-different paths (critic.twin_path), and a LoRA policy whose base weights do not train serving
+different paths (critic.reward_model_path), and a LoRA policy whose base weights do not train serving
 as its own reference with the adapters off, with no second full copy (PPO and DPO)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import OPTConfig, OPTForCausalLM
 
-from rlhf.config import ConfigError, LoraConfig, RoleConfig, register_configs
+from rlhf.config import ActorConfig, ConfigError, CriticConfig, LoraConfig, register_configs
 from rlhf.models import AdaptersOff, apply_lora, reference_is_base
 from rlhf.validate import validated
 from tests.conftest import FAST, cache_overrides, compose, read_metrics, read_summary, run_rlhf
@@ -73,17 +73,25 @@ def test_only_a_frozen_base_serves_as_the_reference():
 
 
 def test_the_reward_model_follows_the_critic_unless_set():
-    role = RoleConfig()
-    role.model.path = "runs/reward/model"
-    assert role.frozen_path == "runs/reward/model"
-    role.model.path, role.twin_path = "runs/sft/model", "runs/reward/model"
-    assert role.frozen_path == "runs/reward/model"
+    critic = CriticConfig()
+    critic.model.path = "runs/reward/model"
+    assert critic.reward_model_source == "runs/reward/model"
+    critic.model.path, critic.reward_model_path = "runs/sft/model", "runs/reward/model"
+    assert critic.reward_model_source == "runs/reward/model"
 
 
-def test_a_twin_path_that_does_not_exist_is_refused(tmp_path):
+def test_the_reference_model_follows_the_actor_unless_set():
+    actor = ActorConfig()
+    actor.model.path = "runs/sft/model"
+    assert actor.reference_source == "runs/sft/model"
+    actor.model.path, actor.reference_path = "runs/ppo/actor", "runs/sft/model"
+    assert actor.reference_source == "runs/sft/model"
+
+
+def test_a_reward_model_path_that_does_not_exist_is_refused(tmp_path):
     paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
-    with pytest.raises(ConfigError, match=r"critic.twin_path=.*/nowhere"):
-        validated(compose(["step=ppo", *paths, f"critic.twin_path={tmp_path}/nowhere"]))
+    with pytest.raises(ConfigError, match=r"critic.reward_model_path=.*/nowhere"):
+        validated(compose(["step=ppo", *paths, f"critic.reward_model_path={tmp_path}/nowhere"]))
 
 
 # --- end to end, on exports of a tiny pipeline ---------------------------------------------------
@@ -144,7 +152,7 @@ def test_a_critic_and_a_reward_model_from_different_paths_on_2_ranks_zero3(
         cache_dir,
         *zero3,
         f"critic.model.path={exports['sft']}",
-        f"critic.twin_path={exports['reward']}",
+        f"critic.reward_model_path={exports['reward']}",
         nproc=2,
     )
     same = _ppo(tmp_path / "same", exports, cache_dir, *zero3, nproc=2)

@@ -83,6 +83,64 @@ def test_the_command_line_answers_in_one_line(tmp_path, args, expected):
     assert line.startswith("error: ") and expected in line, line
 
 
+RENAMED = {
+    "actor.twin_path": "actor.reference_path",
+    "actor.offload_twin": "actor.offload_reference",
+    "critic.twin_path": "critic.reward_model_path",
+    "critic.offload_twin": "critic.offload_reward_model",
+}
+
+
+def test_a_renamed_key_names_its_new_name():
+    from rlhf.config import RENAMED_KEYS, unknown_key, unknown_keys
+    from tests.conftest import compose
+
+    assert RENAMED_KEYS == RENAMED
+    for old, new in RENAMED.items():
+        assert unknown_key(old) == f"no such key; renamed to {new}"
+    # added with "++" the composition takes it: the validation refuses it
+    assert unknown_keys(compose(["++actor.twin_path=/x"])) == [
+        "actor.twin_path: no such key; renamed to actor.reference_path"
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["actor.twin_path=/x"],
+            "actor.twin_path=/x: no such key; renamed to actor.reference_path",
+        ),
+        (
+            ["+critic.offload_twin=true"],
+            "+critic.offload_twin=true: no such key; renamed to critic.offload_reward_model",
+        ),
+        (
+            ["-cd", "{tmp}", "-cn", "exp", "--cfg", "job"],
+            "{tmp}/exp.yaml: actor.offload_twin: no such key; renamed to actor.offload_reference",
+        ),
+        (
+            ["-cd", "{tmp}", "-cn", "axes", "-m"],
+            "{tmp}/axes.yaml: hydra.sweeper.params.critic.twin_path: no such key; renamed to "
+            "critic.reward_model_path",
+        ),
+    ],
+    ids=["command-line", "added", "yaml", "sweep-axis"],
+)
+def test_a_renamed_key_is_refused_in_one_line_naming_the_new_key(tmp_path, args, expected):
+    """The keys PPO's frozen models had before they were named for them (actor.twin_path ...):
+    on the command line, in a config file and as a sweep's axis, refused before anything runs."""
+    config = "defaults:\n  - config\n  - _self_\n"
+    (tmp_path / "exp.yaml").write_text(config + "actor:\n  offload_twin: true\n")
+    axes = "hydra:\n  sweeper:\n    params:\n      critic.twin_path: a,b\n"
+    (tmp_path / "axes.yaml").write_text(config + axes)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in ["step=ppo", *args]]
+    proc = run_rlhf(args, check=False, timeout=120, extra_env=NO_TRACE)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line == "error: " + expected.replace("{tmp}", str(tmp_path)), line
+
+
 def test_a_broken_yaml_file_blocks_only_the_commands_that_compose_it(tmp_path):
     """The pre-flight checks the files Hydra reads, as it reads them: a broken experiment
     beside the one asked for blocks nothing; asked for, it is one line."""

@@ -101,7 +101,7 @@ def test_ppo_step_has_the_published_step3_values(exports):
     assert (c.actor.lora.rank, c.critic.lora.rank) == (0, 0)
     # --enable_hybrid_engine: vLLM rollouts in its place
     assert c.ppo.rollout_engine == "vllm" and c.actor.hybrid_engine is False
-    assert not c.actor.offload_twin and not c.critic.offload_twin
+    assert not c.actor.offload_reference and not c.critic.offload_reward_model
     p = c.ppo
     assert p.prompt_sources == ["rm-static"]  # --data_path Dahoas/rm-static
     assert list(c.data.sources) == STEP1_FOUR and list(c.data.phase_split) == [2, 4, 4]

@@ -31,9 +31,10 @@ from rlhf.config.optim import SCHEDULERS, OptimConfig, RoleOptimConfig
 from rlhf.config.pipeline import NOT_READ_BY, PIPELINES, PipelineConfig
 from rlhf.config.ppo import GENERATION_CACHES, ROLLOUT_ENGINES, PPOConfig
 from rlhf.config.reward import REWARD_LOSSES, SCORE_POSITIONS, SHARED_PROMPT_LOSSES, RewardConfig
-from rlhf.config.roles import RoleConfig
+from rlhf.config.roles import ActorConfig, CriticConfig, RoleConfig
 from rlhf.config.root import Config, DebugConfig
 from rlhf.config.schema import (
+    RENAMED_KEYS,
     collect_problems,
     interpolated_keys,
     problem_message,
@@ -58,6 +59,7 @@ __all__ = [
     "NOT_READ_BY",
     "OVERLONG_PROMPTS",
     "PIPELINES",
+    "RENAMED_KEYS",
     "REWARD_LOSSES",
     "ROLLOUT_ENGINES",
     "SCHEDULERS",
@@ -67,8 +69,10 @@ __all__ = [
     "TINY_INIT",
     "TINY_VOCAB_SIZE",
     "WANDB_MODES",
+    "ActorConfig",
     "Config",
     "ConfigError",
+    "CriticConfig",
     "DPOConfig",
     "DataConfig",
     "DebugConfig",

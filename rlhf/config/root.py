@@ -14,7 +14,7 @@ from rlhf.config.optim import OptimConfig
 from rlhf.config.pipeline import PipelineConfig
 from rlhf.config.ppo import PPOConfig
 from rlhf.config.reward import RewardConfig
-from rlhf.config.roles import RoleConfig
+from rlhf.config.roles import ActorConfig, CriticConfig
 from rlhf.config.sft import SFTConfig
 from rlhf.config.step import StepConfig
 from rlhf.config.zero import ZeroConfig
@@ -43,8 +43,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
-    actor: RoleConfig = field(default_factory=RoleConfig)
-    critic: RoleConfig = field(default_factory=RoleConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # the run's randomness: sampling, dropout, the order of the training rows and (model=tiny)
     # the initial weights; data.seed fixes which rows

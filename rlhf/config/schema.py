@@ -106,9 +106,21 @@ def schema_keys(node_type: Any = Config, prefix: str = "") -> list[str]:
     return out
 
 
+# keys that had another name: old -> new, refused naming the new one (on the command line, in
+# a YAML file: rlhf.preflight, in a composed config)
+RENAMED_KEYS = {
+    "actor.twin_path": "actor.reference_path",
+    "actor.offload_twin": "actor.offload_reference",
+    "critic.twin_path": "critic.reward_model_path",
+    "critic.offload_twin": "critic.offload_reward_model",
+}
+
+
 def unknown_key(key: str) -> str | None:
     """None for a key of the schema (``step.max_steps``, ``data.sources.mine.path``), else
-    what to say: the closest known key."""
+    what to say: the new name of a renamed key, or the closest known key."""
+    if key in RENAMED_KEYS:
+        return f"no such key; renamed to {RENAMED_KEYS[key]}"
     node_type, segments = Config, key.split(".")
     for depth, segment in enumerate(segments):
         known, below = _below(node_type, segment)

@@ -1,6 +1,6 @@
 """PPO's four models: the trained actor and critic (DeepSpeed engines with their own ZeRO, LoRA
-and optimizer settings), and their frozen twins, the reference and the reward model, which follow
-their ZeRO stage (or sit offloaded); and their save_pretrained exports."""
+and optimizer settings), and the frozen reference and reward model, which follow the actor's and
+the critic's ZeRO stage (or sit offloaded); and their save_pretrained exports."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def build_models(
     cfg: Config, tokenizer, dtype: str, updates: int, actor_updates: int | None = None
 ) -> Models:
     """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
-    their twin's ZeRO stage (or offloaded); with ppo.reward_function no reward model is loaded,
-    with a critic-free estimator (registry.uses_critic false) no critic."""
+    the actor's and the critic's ZeRO stage (or offloaded); with ppo.reward_function no reward
+    model is loaded, with a critic-free estimator (registry.uses_critic false) no critic."""
     ppo = cfg.ppo
     shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
     device = device_type(cfg.device)
@@ -99,24 +99,34 @@ def build_models(
     if registry.uses_critic(ppo):
         critic, critic_config = build_critic(cfg, tokenizer, dtype, updates, trained, critic_attn)
 
-    def frozen_twin(role: RoleConfig, load, attn):
-        """The role's frozen twin from role.frozen_path, at the role's ZeRO stage."""
-        model = load(role.model, role.frozen_path, tokenizer, dtype, None, attn)
-        return initialize_frozen(
-            model, role.zero.stage, role.offload_twin, dtype, shape.micro_batch_size
-        )
+    def frozen(role: RoleConfig, path: str | None, offload: bool, load, attn):
+        """A frozen model from ``path`` (the role's model settings), at the role's ZeRO stage."""
+        model = load(role.model, path, tokenizer, dtype, None, attn)
+        return initialize_frozen(model, role.zero.stage, offload, dtype, shape.micro_batch_size)
 
-    if reference_is_base(cfg.actor.lora) and cfg.actor.twin_path is None:
+    if reference_is_base(cfg.actor.lora) and cfg.actor.reference_path is None:
         reference = AdaptersOff(actor)  # no second copy: the actor's base weights never train
     else:
-        reference = frozen_twin(cfg.actor, load_causal_lm, actor_attn)
+        reference = frozen(
+            cfg.actor,
+            cfg.actor.reference_source,
+            cfg.actor.offload_reference,
+            load_causal_lm,
+            actor_attn,
+        )
     for role, engine in (("actor", actor), ("critic", critic)):
         if engine is not None:
             log.info("%s: %s", role, engine_summary(engine))
     if ppo.reward_function is not None:
         reward = RewardFunction(ppo.reward_function, tokenizer, prompt_tasks(cfg))
     else:
-        reward = frozen_twin(cfg.critic, load_value_model, critic_attn)
+        reward = frozen(
+            cfg.critic,
+            cfg.critic.reward_model_source,
+            cfg.critic.offload_reward_model,
+            load_value_model,
+            critic_attn,
+        )
     return Models(actor, reference, critic, reward, actor_config, critic_config)
 
 
@@ -141,7 +151,7 @@ def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn
         # Returns arrive in normalised reward units. A critic left in the reward model's raw
         # units starts with value errors of several stds, which GAE passes on as advantages.
         # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
-        stats = read_stats(cfg.critic.frozen_path)  # the reward model's units
+        stats = read_stats(cfg.critic.reward_model_source)  # the reward model's units
         scale_value_head(critic, 1.0 / stats["std"], cfg.critic.zero.stage)
     critic.hf = apply_lora(critic.hf, cfg.critic.lora, modules_to_save=["score"])
     refuse_dropout("critic", critic)
@@ -218,7 +228,7 @@ def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_d
 def critic_stats(cfg: Config) -> dict | None:
     """The score statistics of the critic export: the reward model's, in the units the critic
     was scaled to (so normalising its scores again gives the same normalised values)."""
-    stats = read_stats(cfg.critic.frozen_path)
+    stats = read_stats(cfg.critic.reward_model_source)
     if stats is None or not cfg.ppo.normalizes_reward:
         return stats
     return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
@@ -228,10 +238,10 @@ def load_tokenizer_pair(cfg: Config):
     """The tokenizer all four models share: the actor's; the others' must be the same, since
     they read the actor's tokens."""
     tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
-    others = {"actor.twin_path": (cfg.actor.model, cfg.actor.twin_path)}
+    others = {"actor.reference_path": (cfg.actor.model, cfg.actor.reference_path)}
     if registry.reads_critic_path(cfg.ppo):  # a critic or a reward model
         others["critic.model.path"] = (cfg.critic.model, cfg.critic.model.path)
-        others["critic.twin_path"] = (cfg.critic.model, cfg.critic.twin_path)
+        others["critic.reward_model_path"] = (cfg.critic.model, cfg.critic.reward_model_path)
     for key, (model, path) in others.items():
         if path is None:
             continue
@@ -246,7 +256,7 @@ def load_tokenizer_pair(cfg: Config):
 def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
     """How the reward model's scores are read: the (mean, std) to normalise them by
     (ppo.normalize_reward) and the score position, from the reward export's statistics."""
-    path = cfg.critic.frozen_path
+    path = cfg.critic.reward_model_source
     stats = read_stats(path) if path is not None else None
     if cfg.ppo.normalizes_reward and stats is None:
         raise ConfigError(
@@ -263,9 +273,11 @@ def max_new_tokens(cfg: Config) -> int:
 
 
 def reward_model_setting(cfg: Config) -> str:
-    """The key and value that name PPO's reward model: critic.twin_path, else critic.model.path."""
-    key = "critic.twin_path" if cfg.critic.twin_path is not None else "critic.model.path"
-    return f"{key}={cfg.critic.frozen_path}"
+    """The key and value that name PPO's reward model: critic.reward_model_path, else
+    critic.model.path."""
+    own = cfg.critic.reward_model_path is not None
+    key = "critic.reward_model_path" if own else "critic.model.path"
+    return f"{key}={cfg.critic.reward_model_source}"
 
 
 def end_of_text_problem(eot: int, stats: dict | None, setting: str, tokenizer) -> str | None:

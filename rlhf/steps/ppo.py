@@ -136,7 +136,7 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     tokenizer = load_tokenizer_pair(cfg)
     eot = end_of_text_id(cfg.actor.model, tokenizer)
     if ppo.reward_function is None:  # the reward model must have learnt to score this ending
-        stats = read_stats(cfg.critic.frozen_path)
+        stats = read_stats(cfg.critic.reward_model_source)
         if problem := end_of_text_problem(eot, stats, reward_model_setting(cfg), tokenizer):
             raise ConfigError(problem)
     prompts, eval_rows = prompt_rows(cfg, tokenizer, eot)
@@ -384,7 +384,9 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
         cfg.actor.zero.stage,
         cfg.critic.zero.stage,
         world_size(),
-        f"function {ppo.reward_function}" if ppo.reward_function else cfg.critic.frozen_path,
+        f"function {ppo.reward_function}"
+        if ppo.reward_function
+        else cfg.critic.reward_model_source,
     )
     log.info("PPO old log-probs: %s", old_logprobs_source(ppo, collect.rollout_logprobs))
 
