@@ -116,7 +116,7 @@ def worker(spec: dict) -> dict:
     import torch
 
     from rlhf.rl.generation import Sampling, generate
-    from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
+    from rlhf.rl.vllm_engine import EngineSpec, VLLMEngine
     from rlhf.rl.weight_sync import hf_weights
 
     fp32_model, tokenizer = build_model(spec["model"])
@@ -137,7 +137,7 @@ def worker(spec: dict) -> dict:
     }
 
     out = {"model": spec["model"], "dtype": spec["dtype"], "threads": torch.get_num_threads()}
-    engine = VLLMRollouts(
+    engine = VLLMEngine(
         model,
         EngineSpec(
             spec["dtype"],

@@ -76,13 +76,13 @@ class Chat:
         from rlhf import tasks
         from rlhf.config import MultiTurnConfig
         from rlhf.rl.episodes import EpisodeRollouts
-        from rlhf.rl.rollouts import ModuleRollouts
+        from rlhf.rl.rollouts import ModuleDecoder
 
         env = tasks.resolve(env_name)
         if not tasks.is_environment(env):
             raise tasks.TaskError(f"{env_name} has no step(episode, turn): not an environment")
         end = self._end_ids()[0] if len(self._end_ids()) == 1 else self.tokenizer.eos_token_id
-        decoder = ModuleRollouts(self.model, self.tokenizer.pad_token_id, end, synced=False)
+        decoder = ModuleDecoder(self.model, self.tokenizer.pad_token_id, end, synced=False)
         bounds = MultiTurnConfig(max_turns=max_turns)
         return EpisodeRollouts(
             decoder, env, self.tokenizer, bounds, self.max_new_tokens, end, synced=False

@@ -34,7 +34,7 @@ from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
 from rlhf.rl.models import Models, max_new_tokens
-from rlhf.rl.rollouts import ModuleRollouts
+from rlhf.rl.rollouts import ModuleDecoder
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def answer_decoder(cfg: Config, engine, tokenizer, eot: int, rows: list[dict]):
     """How SFT's and DPO's evaluations decode held-out answers with the engine's own module:
     one turn, or on an environment's rows whole episodes (the budget: max_new_tokens)."""
     synced = cfg.zero.stage == 3 and world_size() > 1
-    decoder = ModuleRollouts(engine.module, tokenizer.pad_token_id, eot, synced)
+    decoder = ModuleDecoder(engine.module, tokenizer.pad_token_id, eot, synced)
     env = row_environment(rows)
     if env is None:
         return decoder

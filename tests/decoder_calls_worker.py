@@ -28,7 +28,7 @@ def main() -> None:
     from rlhf.rl import rollouts
     from rlhf.steps import ppo
 
-    for decoder in (rollouts.HFRollouts, rollouts.VLLMPath):
+    for decoder in (rollouts.HFDecoder, rollouts.VLLMDecoder):
         for name in ("generate", "release", "sync"):
             setattr(decoder, name, recorded(name, getattr(decoder, name)))
     ppo.ppo_update = recorded("update", ppo.ppo_update)
@@ -41,9 +41,9 @@ def main() -> None:
 
 
 def emulate_sleep_mode() -> None:
-    from rlhf.rl.vllm_engine import VLLMRollouts
+    from rlhf.rl.vllm_engine import VLLMEngine
 
-    built = VLLMRollouts.__init__
+    built = VLLMEngine.__init__
 
     def init(self, *args, **kwargs):
         built(self, *args, **kwargs)
@@ -56,7 +56,7 @@ def emulate_sleep_mode() -> None:
         llm.sleep = drop_weights
         llm.wake_up = lambda tags=None: True
 
-    VLLMRollouts.__init__ = init
+    VLLMEngine.__init__ = init
 
 
 if __name__ == "__main__":

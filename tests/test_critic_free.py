@@ -23,7 +23,7 @@ from rlhf.rl.experience import (
     make_experience,
 )
 from rlhf.rl.generation import Sampling, generate
-from rlhf.rl.rollouts import HFRollouts
+from rlhf.rl.rollouts import HFDecoder
 from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
@@ -175,7 +175,7 @@ def _collector() -> Collector:
         reward=LengthReward(),
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
-    rollouts = HFRollouts(cfg, models.actor, PAD, EOS)
+    rollouts = HFDecoder(cfg, models.actor, PAD, EOS)
     return Collector(models, cfg, PAD, EOS, Sampling(5), rollout_logprobs=False, rollouts=rollouts)
 
 

@@ -51,7 +51,7 @@ from rlhf.rl.models import (
     hybrid_engine_problem,
     refuse_dropout,
 )
-from rlhf.rl.rollouts import HFRollouts
+from rlhf.rl.rollouts import HFDecoder
 from rlhf.validate import dropout_problems
 from tests.conftest import compose, read_metrics
 from tests.test_ppo import Trained
@@ -297,7 +297,7 @@ def test_rollouts_decode_on_inference_kernels_and_take_log_probs_on_training_ker
         actor=actor, reference=_lm(seed=6), critic=critic.module, reward=ConstantReward(1.0)
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
-    rollouts = HFRollouts(cfg, actor, PAD, EOS)
+    rollouts = HFDecoder(cfg, actor, PAD, EOS)
     collect = Collector(
         models, cfg, PAD, EOS, Sampling(5, greedy=True), rollout_logprobs=False, rollouts=rollouts
     )

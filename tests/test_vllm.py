@@ -29,10 +29,10 @@ def tokenizer(tiny_lm_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_lm_dir):
     """One engine for the module (its weights: the last test's push)."""
-    from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
+    from rlhf.rl.vllm_engine import EngineSpec, VLLMEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
-    rollouts = VLLMRollouts(model, EngineSpec("fp32", 512, 128 << 20))
+    rollouts = VLLMEngine(model, EngineSpec("fp32", 512, 128 << 20))
     yield rollouts
     rollouts.close()
 
@@ -269,7 +269,7 @@ def test_zero3_on_two_ranks_pushes_the_gathered_weights_into_each_ranks_engine(t
 
 
 class _EngineDecoder:
-    """VLLMRollouts behind the decoder interface EpisodeRollouts takes (as VLLMPath is)."""
+    """VLLMEngine behind the decoder interface EpisodeRollouts takes (as VLLMDecoder is)."""
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
@@ -298,7 +298,7 @@ def test_greedy_episodes_equal_the_transformers_path(engine, actor, tokenizer):
     """The same multi-turn episodes, token for token, on vLLM and on the transformers path."""
     from rlhf.config import MultiTurnConfig
     from rlhf.rl.episodes import EpisodeRollouts
-    from rlhf.rl.rollouts import ModuleRollouts
+    from rlhf.rl.rollouts import ModuleDecoder
 
     single = [
         t
@@ -314,7 +314,7 @@ def test_greedy_episodes_equal_the_transformers_path(engine, actor, tokenizer):
         _EngineDecoder(engine, tokenizer), env, tokenizer, bounds, 40, end, False
     )
     on_hf = EpisodeRollouts(
-        ModuleRollouts(actor, pad, end, False), env, tokenizer, bounds, 40, end, False
+        ModuleDecoder(actor, pad, end, False), env, tokenizer, bounds, 40, end, False
     )
     ours = on_vllm.generate(prompts, sampling, logprobs_temperature=1.0)
     theirs = on_hf.generate(prompts, sampling, logprobs_temperature=1.0)

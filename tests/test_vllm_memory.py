@@ -20,7 +20,7 @@ from rlhf.rl.vllm_engine import (
     ENGINE_OVERHEAD_BYTES,
     KV_BLOCK_TOKENS,
     EngineSpec,
-    VLLMRollouts,
+    VLLMEngine,
     gpu_share,
     kv_cache_bytes,
 )
@@ -108,8 +108,8 @@ class FakeLLM:
         return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
 
 
-def _engine(sleep_level: int, on_gpu: bool) -> VLLMRollouts:
-    engine = VLLMRollouts.__new__(VLLMRollouts)  # the engine's logic, without vLLM's engine
+def _engine(sleep_level: int, on_gpu: bool) -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # the engine's logic, without vLLM's engine
     engine.spec = EngineSpec("bf16", 64, sleep_level=sleep_level)
     engine.sleeps = sleep_level > 0 and on_gpu
     engine.asleep, engine.llm = False, FakeLLM()

@@ -16,7 +16,7 @@ from rlhf.dist import init_distributed, rank, teardown
 from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling
-from rlhf.rl.rollouts import ModuleRollouts
+from rlhf.rl.rollouts import ModuleDecoder
 from rlhf.tasks import Episode, Step
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     stops = tuple(tokenizer.decode([t]) for t in single)
     want_turns = 1 if rank() == 0 else 3
     env = RankTurns(want_turns, stops)
-    decoder = ModuleRollouts(engine.module, pad, end, synced=True)
+    decoder = ModuleDecoder(engine.module, pad, end, synced=True)
     player = EpisodeRollouts(decoder, env, tokenizer, MultiTurnConfig(), 60, end, synced=True)
     prompts = [tokenizer(f"rank {rank()} question {i}:")["input_ids"] for i in range(3)]
     torch.manual_seed(rank())

@@ -50,9 +50,9 @@ def main() -> None:
     line = f"rank {rank()} ok: {len(gathered)} tensors gathered"
 
     if args.vllm:
-        from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts
+        from rlhf.rl.vllm_engine import EngineSpec, VLLMEngine
 
-        rollouts = VLLMRollouts(expected, EngineSpec("fp32", 128, 64 << 20))
+        rollouts = VLLMEngine(expected, EngineSpec("fp32", 128, 64 << 20))
         seconds = rollouts.push(hf_weights(engine, 3, bucket_bytes=64 << 10))
         prompts = [tokenizer(f"rank {rank()} question {i}:")["input_ids"] for i in range(4)]
         eot, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -93,7 +93,7 @@ def turn_length(ids: list[int], end_id: int, stops: tuple[tuple[int, ...], ...])
 
 
 class EpisodeRollouts:
-    """A decoder (HFRollouts or VLLMPath) playing whole episodes against ``env``, with the
+    """A decoder (HFDecoder or VLLMDecoder) playing whole episodes against ``env``, with the
     decoder's ``generate`` / ``sync`` / ``close``. ``budget``: the tokens an episode may take
     after its prompt (turns and observations: max_new_tokens); ``synced``: every rank's
     generate is a collective (ZeRO-3 on several ranks), so a rank whose episodes have all

@@ -30,7 +30,7 @@ from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.generation import Rollout, Sampling
 from rlhf.rl.models import Models
 from rlhf.rl.rewards import RewardFunction
-from rlhf.rl.rollouts import HFRollouts, VLLMPath
+from rlhf.rl.rollouts import HFDecoder, VLLMDecoder
 from rlhf.tracking import PhaseClock, Throughput
 
 
@@ -627,7 +627,7 @@ class Collector:
     eot: int
     sampling: Sampling
     rollout_logprobs: bool  # old log-probs from the sampling pass (uses_rollout_logprobs)
-    rollouts: HFRollouts | VLLMPath | EpisodeRollouts
+    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts
     # keep the sampler's log-probs in each Experience for ppo.rollout_correction
     keep_sampler_logprobs: bool = False
     # old log-probs from the update's forward (uses_on_policy_shortcut), none computed here

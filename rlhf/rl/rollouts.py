@@ -19,7 +19,7 @@ from rlhf.rl.models import max_new_tokens
 from rlhf.rl.vllm_engine import (
     DTYPE_BYTES,
     EngineSpec,
-    VLLMRollouts,
+    VLLMEngine,
     gpu_share,
     kv_cache_bytes,
 )
@@ -46,14 +46,14 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     return [seed * 1_009 + i for i in range(count)]
 
 
-class HFRollouts:
+class HFDecoder:
     """The transformers path: the actor engine's module decodes (ZeRO-3 on several ranks with
     synced_gpus), its RNG seeded per batch."""
 
     def __init__(self, cfg: Config, actor, pad_id: int, end_id: int):
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.synced = cfg.actor.zero.stage == 3 and world_size() > 1
-        self.module = ModuleRollouts(actor.module, pad_id, end_id, self.synced)
+        self.module = ModuleDecoder(actor.module, pad_id, end_id, self.synced)
 
     def generate(
         self,
@@ -83,9 +83,9 @@ class HFRollouts:
         pass
 
 
-class ModuleRollouts:
+class ModuleDecoder:
     """A model's own module decoding greedily or not, in whatever mode its caller set (SFT's
-    held-out episodes): the decoder interface of :class:`HFRollouts` without the engine's
+    held-out episodes): the decoder interface of :class:`HFDecoder` without the engine's
     mode switches."""
 
     def __init__(self, module: torch.nn.Module, pad_id: int, end_id: int, synced: bool):
@@ -121,7 +121,7 @@ class ModuleRollouts:
         pass
 
 
-class VLLMPath:
+class VLLMDecoder:
     """A colocated vLLM engine: every request seeded (from the batch's seed, or the run's), its
     answers' log-probs those of the distribution drawn from (the sampler's, always returned)."""
 
@@ -130,7 +130,7 @@ class VLLMPath:
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.zero_stage = cfg.actor.zero.stage
         self.bucket_bytes = settings.sync_bucket_mb << 20
-        self.engine = VLLMRollouts(actor, engine_spec(cfg, actor, dtype))
+        self.engine = VLLMEngine(actor, engine_spec(cfg, actor, dtype))
         self.fallback_seed = cfg.seed * 1_000_003
 
     def generate(
@@ -141,7 +141,7 @@ class VLLMPath:
         group_size: int = 1,
         logprobs_temperature: float | None = None,
     ) -> Rollout:
-        """As :meth:`HFRollouts.generate`; the rollout always carries the sampler's log-probs
+        """As :meth:`HFDecoder.generate`; the rollout always carries the sampler's log-probs
         (``logprobs_temperature`` is the sampling temperature here by construction)."""
         if seed is None:  # every request is seeded: a resumed run draws the same answers
             seed, self.fallback_seed = self.fallback_seed, self.fallback_seed + 1
@@ -215,8 +215,8 @@ def device_bytes() -> int:
 
 def build_rollouts(cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
     """ppo.rollout_engine's decoder for ``actor`` (a DeepSpeed engine); vLLM's engine holds
-    dummy weights until the first :meth:`VLLMPath.sync`."""
+    dummy weights until the first :meth:`VLLMDecoder.sync`."""
     if cfg.ppo.rollout_engine == "hf":
-        return HFRollouts(cfg, actor, pad_id, end_id)
+        return HFDecoder(cfg, actor, pad_id, end_id)
     log.info("rollouts on vLLM (ppo.rollout_engine=vllm): building the engine")
-    return VLLMPath(cfg, actor, pad_id, end_id, dtype)
+    return VLLMDecoder(cfg, actor, pad_id, end_id, dtype)

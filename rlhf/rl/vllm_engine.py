@@ -1,6 +1,6 @@
 """Rollouts on vLLM, colocated: one engine inside each training process (rank), built once per
 run with the actor's architecture and dummy weights, loaded with the actor's weights by
-:meth:`VLLMRollouts.push` after every update, and asked for the same answers the transformers
+:meth:`VLLMEngine.push` after every update, and asked for the same answers the transformers
 path samples (temperature, top_p, top_k, max_new_tokens, the end-of-text stop, a seed per
 prompt), returned as a :class:`~rlhf.rl.generation.Rollout` with each answer token's log-prob
 under the distribution it was drawn from.
@@ -108,7 +108,7 @@ def engine_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-class VLLMRollouts:
+class VLLMEngine:
     """A colocated vLLM engine for one process's rollouts."""
 
     def __init__(self, model: torch.nn.Module, spec: EngineSpec):

@@ -54,7 +54,7 @@ from rlhf.rl.models import (
     reward_settings,
 )
 from rlhf.rl.ptx import PTXBatches
-from rlhf.rl.rollouts import HFRollouts, VLLMPath, build_rollouts
+from rlhf.rl.rollouts import HFDecoder, VLLMDecoder, build_rollouts
 from rlhf.steps.loop import Run, RunInfo, total_steps
 from rlhf.steps.ppo_update import ppo_update
 from rlhf.tracking import Throughput
@@ -116,7 +116,7 @@ class PPOSetup:
     score_position: str
     ema: EMA | None
     kl: object  # the KL coefficient's controller
-    rollouts: HFRollouts | VLLMPath | EpisodeRollouts  # the decoder (ppo.rollout_engine)
+    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts  # the decoder (ppo.rollout_engine)
     collect: Collector
     evaluator: PPOEvaluator
     run: Run
@@ -173,7 +173,7 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     ema = EMA(models.actor.module, ppo.ema_beta, cfg.actor.zero.stage) if ppo.ema else None
     rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype)
     if env is not None:  # the task is an environment: episodes of several turns
-        synced = isinstance(rollouts, HFRollouts) and rollouts.synced
+        synced = isinstance(rollouts, HFDecoder) and rollouts.synced
         bounds, budget = ppo.multi_turn, max_new_tokens(cfg)
         rollouts = EpisodeRollouts(rollouts, env, tokenizer, bounds, budget, eot, synced)
     collect = Collector(

@@ -286,7 +286,7 @@ def check_vllm(s: Setup) -> list[Row]:
 
     from rlhf.assets import TINY_TOKENIZER_DIR
     from rlhf.rl.generation import Sampling
-    from rlhf.rl.vllm_engine import EngineSpec, VLLMRollouts, kv_cache_bytes
+    from rlhf.rl.vllm_engine import EngineSpec, VLLMEngine, kv_cache_bytes
     from rlhf.rl.weight_sync import hf_weights
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
@@ -305,7 +305,7 @@ def check_vllm(s: Setup) -> list[Row]:
         model = model.to(device="cuda", dtype=torch.bfloat16)
     cache = kv_cache_bytes(config, dtype, rows, prompt + answer)
     spec = EngineSpec(dtype, prompt + answer, cache, gpu_memory_utilization=0.5, sleep_level=2)
-    engine = VLLMRollouts(model, spec)
+    engine = VLLMEngine(model, spec)
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, len(tokenizer), (rows, prompt), generator=generator).tolist()
     greedy = Sampling(max_new_tokens=answer, greedy=True, stop_at_eos=False)
