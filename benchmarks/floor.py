@@ -126,11 +126,11 @@ def floor_recipe(cfg, info, spec: dict) -> dict:
     from rlhf.dist import barrier, is_main
     from rlhf.steps import ppo
 
-    s = ppo.setup(cfg, info)
+    setup = ppo.set_up(cfg, info)
     for _ in range(spec["warmup"]):
-        ppo.iteration(s)
-    repeats = [one_repeat(s, barrier) for _ in range(spec["repeats"])]
-    s.rollouts.close()
+        ppo.iteration(setup)
+    repeats = [one_repeat(setup, barrier) for _ in range(spec["repeats"])]
+    setup.rollouts.close()
     iterations = [r.pop("iteration") for r in repeats]
     parts = {name: statistics.median(r[name] for r in repeats) for name in repeats[0]}
     ratios = [i / sum(r.values()) for i, r in zip(iterations, repeats, strict=True)]
@@ -141,8 +141,8 @@ def floor_recipe(cfg, info, spec: dict) -> dict:
         "parts_s": sum(parts.values()),
         "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "on_policy_shortcut": s.cfg.ppo.on_policy_shortcut,
-        "rollout_logprobs": s.collect.rollout_logprobs,
+        "on_policy_shortcut": setup.cfg.ppo.on_policy_shortcut,
+        "rollout_logprobs": setup.collect.rollout_logprobs,
     }
     if is_main():
         Path(spec["out"]).write_text(json.dumps(result, indent=2))
@@ -160,7 +160,7 @@ def timed(fn, barrier) -> tuple[float, object]:
     return time.perf_counter() - started, out
 
 
-def one_repeat(s, barrier) -> dict[str, float]:
+def one_repeat(setup, barrier) -> dict[str, float]:
     """One iteration and each of its parts alone, on its own batch: the next iteration's prompts
     and seed (ppo.seed_rollouts), so with the same weights the raw generate draws the very
     answers the iteration then draws; the forwards the scoring pass makes over them (the actor's
@@ -170,7 +170,7 @@ def one_repeat(s, barrier) -> dict[str, float]:
 
     from rlhf.dist import rank
     from rlhf.engine import model_device
-    from rlhf.rl.advantages import shaping
+    from rlhf.rl.advantages import iteration_shaping
     from rlhf.rl.experience import (
         eval_modules,
         kl_needs_logits,
@@ -183,26 +183,28 @@ def one_repeat(s, barrier) -> dict[str, float]:
     from rlhf.steps import ppo
     from rlhf.steps.ppo_update import ppo_update
 
-    cfg, models, collect, state = s.cfg, s.models, s.collect, s.run.state
-    rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
-    [rows] = s.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
-    prompts = [s.prompts[i]["prompt_ids"] for i in rows]
+    cfg, models, collect, state = setup.cfg, setup.models, setup.collect, setup.run.state
+    shaping = iteration_shaping(cfg, setup.kl.value, setup.score_position, setup.reward_stats)
+    [rows] = setup.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+    prompts = [setup.prompts[i]["prompt_ids"] for i in rows]
     seed = ppo.rollout_seed(cfg, state.global_step, rank())  # the iteration's only batch
     record = collect.rollout_logprobs or collect.keep_sampler_logprobs
-    temperature = rules.temperature if record else None
+    temperature = shaping.temperature if record else None
     out = {}
     out["generate"], rollout = timed(
-        lambda: s.rollouts.generate(prompts, collect.sampling, seed, rules.group_size, temperature),
+        lambda: setup.rollouts.generate(
+            prompts, collect.sampling, seed, shaping.group_size, temperature
+        ),
         barrier,
     )
     device = model_device(models.actor)
     sequences = rollout.sequences.to(device)
     mask = rollout.attention_mask.to(device)
     start = rollout.prompt_width - 1
-    args = scoring_args(rules, sequences, mask)  # as the scoring pass reads the rollout
+    args = scoring_args(shaping, sequences, mask)  # as the scoring pass reads the rollout
     forwards = {}
     if not (collect.rollout_logprobs or collect.old_from_update) or kl_needs_logits(
-        rules.kl_estimator
+        shaping.kl_estimator
     ):
         forwards["actor_forward"] = lambda: response_logprobs(
             models.actor, sequences, mask, start, **args
@@ -215,15 +217,16 @@ def one_repeat(s, barrier) -> dict[str, float]:
             models.critic, sequences, mask, start, args["packing"]
         )
     forwards["reward_forward"] = lambda: normalised_scores(
-        models.reward, sequences, mask, rollout, rules, args["packing"]
+        models.reward, sequences, mask, rollout, shaping, args["packing"]
     )
     with torch.no_grad(), eval_modules(*(m for m in (models.actor, models.critic) if m)):
         out.update({name: timed(fn, barrier)[0] for name, fn in forwards.items()})
-    experience = collect(prompts, rules, seed=seed)  # as the iteration will score it
-    out["iteration"], _ = timed(lambda: ppo.iteration(s), barrier)
+    experience = collect(prompts, shaping, seed=seed)  # as the iteration will score it
+    out["iteration"], _ = timed(lambda: ppo.iteration(setup), barrier)
     fresh = experience._replace(old_logprobs=experience.old_logprobs.clone())
     out["update"], _ = timed(
-        lambda: ppo_update(models, fresh, cfg, state, s.ptx, s.run.guard, s.kl.value), barrier
+        lambda: ppo_update(models, fresh, cfg, state, setup.ptx, setup.run.guard, setup.kl.value),
+        barrier,
     )
-    out["sync"], _ = timed(lambda: (s.rollouts.release(), s.rollouts.sync()), barrier)
+    out["sync"], _ = timed(lambda: (setup.rollouts.release(), setup.rollouts.sync()), barrier)
     return out

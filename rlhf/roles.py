@@ -55,7 +55,7 @@ def shared_keys(group: str) -> tuple[str, ...]:
     return tuple(k for k in _field_names(Config, group) if k in role and k not in own)
 
 
-def places(overrides: Sequence[str]) -> list[tuple[str, str]]:
+def overridden_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
     """(the key or group an override sets, its text) for each command-line override:
     ``zero.offload=true`` sets zero.offload, ``lora=r8`` the group lora, ``zero@actor.zero=stage3``
     the node actor.zero. Deletions and Hydra's own keys set nothing here."""
@@ -77,9 +77,9 @@ def _overlap(key: str, other: str) -> bool:
 def share_command_line(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """Point each role's key at the top-level key that ``overrides`` set (a group choice: every
     shared key of the group), unless ``overrides`` set the role's key as well. In place."""
-    set_here = [place for place, _ in places(overrides)]
-    for place in set_here:
-        group, _, key = place.partition(".")
+    set_here = [dotted for dotted, _ in overridden_keys(overrides)]
+    for dotted in set_here:
+        group, _, key = dotted.partition(".")
         if group not in SHARED_GROUPS:
             continue
         names = [key] if key else list(shared_keys(group))
@@ -96,8 +96,8 @@ def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
     if step != "ppo":
         return []
     out = []
-    for place, line in places(overrides):
-        group, _, key = place.partition(".")
+    for dotted, line in overridden_keys(overrides):
+        group, _, key = dotted.partition(".")
         name = key.split(".")[0]
         if group not in SHARED_GROUPS or not key or name in shared_keys(group):
             continue

@@ -51,7 +51,7 @@ class Shaping:
         return AdvantageParams(self.gamma, self.lam, self.group_size, self.std_normalize)
 
 
-def shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
+def iteration_shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
     """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef (with
     ppo.kl_in_loss the KL goes into the actor's loss instead: none in the reward)."""
     ppo = cfg.ppo

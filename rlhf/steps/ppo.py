@@ -1,7 +1,7 @@
 """Step 3: PPO fine-tuning of the SFT model against the reward model (or a rule-based reward,
 ``ppo.reward_function``), or one of the critic-free estimators (``ppo.advantage_estimator``:
 GRPO, RLOO, REINFORCE++, ReMax, ...), which build no critic and may sample a group of answers per
-prompt; the loop is the same. :func:`setup` builds what the loop needs, :func:`iteration` is one
+prompt; the loop is the same. :func:`set_up` builds what the loop needs, :func:`iteration` is one
 turn of it; the update itself is rlhf.steps.ppo_update's.
 
 DeepSpeed-Chat's step3_rlhf_finetuning, made stable beyond one update per rollout: old
@@ -28,7 +28,7 @@ from rlhf.dist import all_reduce_sum, rank, world_size
 from rlhf.engine import device_type, resolve_dtype
 from rlhf.evaluation import PPOEvaluator
 from rlhf.models import block_mask_problem, end_of_text_id, fast_path, read_stats
-from rlhf.rl.advantages import kl_controller, shaping
+from rlhf.rl.advantages import iteration_shaping, kl_controller
 from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRollouts, episode_environment
 from rlhf.rl.experience import (
@@ -65,45 +65,45 @@ log = logging.getLogger(__name__)
 def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 1-3. prompts, the four models, the rollout decoder, the run resumed (or the SFT model
     # evaluated first)
-    s = setup(cfg, info)
+    setup = set_up(cfg, info)
 
     # 4. iterations: generate -> score -> advantages (-> dynamic sampling) -> PPO epochs -> EMA,
     # weights to the decoder, KL coefficient
     def evaluate():
-        return s.run.evaluate(s.evaluator, s.models)
+        return setup.run.evaluate(setup.evaluator, setup.models)
 
-    with s.run.training():
-        while s.run.state.global_step < s.iterations:
-            s.run.end_step(iteration(s), evaluate=evaluate)
+    with setup.run.training():
+        while setup.run.state.global_step < setup.iterations:
+            setup.run.end_step(iteration(setup), evaluate=evaluate)
 
     # 5. final evaluation, exports, summary
     final = evaluate()
-    s.rollouts.close()
-    if s.cfg.step.save_model:
-        export_models(s.models, s.ema, s.cfg, s.tokenizer, info.run_dir)
-    gen_speed, steps = s.collect.speed, max(s.run.state.global_step, 1)
-    return s.run.finish(
+    setup.rollouts.close()
+    if setup.cfg.step.save_model:
+        export_models(setup.models, setup.ema, setup.cfg, setup.tokenizer, info.run_dir)
+    gen_speed, steps = setup.collect.speed, max(setup.run.state.global_step, 1)
+    return setup.run.finish(
         final,
-        s.train_speed,
-        **{k: v for k, v in s.run.tracker.summary_metrics.items() if k.startswith("ppo/")},
+        setup.train_speed,
+        **{k: v for k, v in setup.run.tracker.summary_metrics.items() if k.startswith("ppo/")},
         **{
             "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
             # answer tokens the rollouts generated, all ranks (since the last resume)
             "perf/gen_tokens": all_reduce_sum(float(gen_speed.tokens))[0],
-            "perf/s_per_iter": (gen_speed.seconds + s.train_speed.seconds) / steps,
+            "perf/s_per_iter": (gen_speed.seconds + setup.train_speed.seconds) / steps,
             # each phase's mean seconds an iteration (since the last resume)
             **{
-                f"perf/{name}_s": s.collect.clock.means().get(name, 0.0)
+                f"perf/{name}_s": setup.collect.clock.means().get(name, 0.0)
                 for name in (*PHASES, "other")
             },
-            "eval/hacking_warnings": s.evaluator.warnings,
+            "eval/hacking_warnings": setup.evaluator.warnings,
         },
     )
 
 
 @dataclass
 class PPOSetup:
-    """What the iterations read (:func:`setup`)."""
+    """What the iterations read (:func:`set_up`)."""
 
     cfg: Config  # as run: ppo.packing resolved
     tokenizer: object
@@ -123,7 +123,7 @@ class PPOSetup:
     train_speed: Throughput
 
 
-def setup(cfg: Config, info: RunInfo) -> PPOSetup:
+def set_up(cfg: Config, info: RunInfo) -> PPOSetup:
     """Tokenizer, prompts and the iteration plan; the four models (three without a critic),
     EMA, KL controller, rollout decoder and collector; the run, resumed from its latest
     checkpoint (or the SFT model evaluated first), its weights in the decoder."""
@@ -232,15 +232,15 @@ def setup(cfg: Config, info: RunInfo) -> PPOSetup:
     )
 
 
-def iteration(s: PPOSetup) -> dict[str, float]:
+def iteration(setup: PPOSetup) -> dict[str, float]:
     """One PPO iteration: each generation batch of this rank's prompts answered and scored
     (DAPO's dynamic sampling refilling groups of equal rewards), the advantages whitened where
     the estimator asks, the PPO epochs, the EMA, the updated weights to the decoder, the KL
     coefficient; returns the iteration's metrics (collective)."""
-    cfg, ppo, state, clock = s.cfg, s.cfg.ppo, s.run.state, s.collect.clock
+    cfg, ppo, state, clock = setup.cfg, setup.cfg.ppo, setup.run.state, setup.collect.clock
     started = time.perf_counter()
-    rules = shaping(cfg, s.kl.value, s.score_position, s.reward_stats)
-    batches = s.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
+    shaping = iteration_shaping(cfg, setup.kl.value, setup.score_position, setup.reward_stats)
+    batches = setup.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
     # the same iterations on every rank (its metrics are collective); they line up with the
     # logged rows when step.log_interval is a multiple of the interval
     interval = ppo.logprob_gap_interval
@@ -249,7 +249,7 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         rollout_seed(cfg, state.global_step, k * world_size() + rank()) for k in range(len(batches))
     ]
     experiences = [
-        s.collect([s.prompts[i]["prompt_ids"] for i in rows], rules, measure_gap, seed)
+        setup.collect([setup.prompts[i]["prompt_ids"] for i in rows], shaping, measure_gap, seed)
         for rows, seed in zip(batches, seeds, strict=True)
     ]
     group_stats = {}
@@ -257,50 +257,52 @@ def iteration(s: PPOSetup) -> dict[str, float]:
         experiences, group_stats = keep_varied_groups(
             experiences,
             ppo.num_samples_per_prompt,
-            lambda round_: s.collect(
-                refill_prompts(s.prompts, cfg, state.global_step, round_),
-                rules,
+            lambda round_: setup.collect(
+                refill_prompts(setup.prompts, cfg, state.global_step, round_),
+                shaping,
                 seed=rollout_seed(cfg, state.global_step, refill_batch(round_)),
             ),
             ppo.dynamic_sampling_rounds,
         )
     with clock.phase("sync"):  # vLLM on a GPU: the engine's memory to the update
-        s.rollouts.release()
+        setup.rollouts.release()
     if registry.whitens(ppo):
         experiences = whiten_advantages(experiences)
 
     rollout = concat(experiences)
-    s.train_speed.start()
+    setup.train_speed.start()
     with clock.phase("update"):
-        update_stats = ppo_update(s.models, rollout, cfg, state, s.ptx, s.run.guard, s.kl.value)
+        update_stats = ppo_update(
+            setup.models, rollout, cfg, state, setup.ptx, setup.run.guard, setup.kl.value
+        )
     # samples: the answers the update trains on (a group method's n per prompt)
-    answers = s.plan.global_batch_size * ppo.num_samples_per_prompt
-    s.train_speed.stop(update_stats.pop("tokens"), answers)
+    answers = setup.plan.global_batch_size * ppo.num_samples_per_prompt
+    setup.train_speed.stop(update_stats.pop("tokens"), answers)
     if ppo.on_policy_shortcut:  # the update's forward gave the old log-probs: now the KL
         rollout = with_update_kl(rollout, ppo.kl_estimator)
     rollout_stats = rollout_metrics([rollout])
-    if s.ema is not None:
-        s.ema.update(s.models.actor.module)
+    if setup.ema is not None:
+        setup.ema.update(setup.models.actor.module)
     with clock.phase("sync"):
-        s.rollouts.sync()  # vLLM: the updated actor's weights (the engine woken)
-    s.kl.update(rollout_stats["ppo/kl"], s.plan.global_batch_size)
-    state.advance(s.plan.steps_per_epoch, s.plan.global_batch_size, 0)
+        setup.rollouts.sync()  # vLLM: the updated actor's weights (the engine woken)
+    setup.kl.update(rollout_stats["ppo/kl"], setup.plan.global_batch_size)
+    state.advance(setup.plan.steps_per_epoch, setup.plan.global_batch_size, 0)
     seconds = time.perf_counter() - started
     split = phase_split(clock.take(), seconds)
     clock.add("other", split["perf/other_s"])
     return {
         **rollout_stats,
         **group_stats,
-        **(s.collect.gap.metrics() if measure_gap else {}),
-        **(s.collect.episodes.metrics("rollout") if multi_turn(s) else {}),
+        **(setup.collect.gap.metrics() if measure_gap else {}),
+        **(setup.collect.episodes.metrics("rollout") if multi_turn(setup) else {}),
         **(correction_metrics([rollout], ppo) if ppo.correction != "none" else {}),
         **update_stats,
-        "ppo/kl_coef": s.kl.value,
-        "ppo/skipped_updates": s.run.guard.skipped,
+        "ppo/kl_coef": setup.kl.value,
+        "ppo/skipped_updates": setup.run.guard.skipped,
         "perf/s_per_iter": seconds,
         **split,
-        "perf/gen_tokens_per_s": s.collect.speed.metrics()["perf/tokens_per_s"],
-        **s.train_speed.metrics(),
+        "perf/gen_tokens_per_s": setup.collect.speed.metrics()["perf/tokens_per_s"],
+        **setup.train_speed.metrics(),
     }
 
 
@@ -315,8 +317,8 @@ def phase_split(phases: dict[str, float], seconds: float) -> dict[str, float]:
     return {**split, "perf/other_s": seconds - sum(split.values())}
 
 
-def multi_turn(s: PPOSetup) -> bool:
-    return isinstance(s.rollouts, EpisodeRollouts)
+def multi_turn(setup: PPOSetup) -> bool:
+    return isinstance(setup.rollouts, EpisodeRollouts)
 
 
 def prompt_rows(cfg: Config, tokenizer, eot: int):
