@@ -1,6 +1,6 @@
 """The PPO GPU check (issue 16): what the CPU suite cannot see, in one go, printed as one table.
 
-    python tests/gpu/check.py                 # a GPU: bf16, an OPT-125m-shaped model (< 8 min)
+    python tests/gpu/check.py                 # a GPU: bf16, OPT-125m to OPT-1.3B shapes (< 10 min)
     python tests/gpu/check.py --tiny          # CPU: the same runs on the tests' small model
     python tests/gpu/check.py --out DIR       # keep the runs (and check.json) in DIR
 
@@ -18,7 +18,11 @@ layer sizes unless --tiny) and the data is the embedded toy task. The runs:
    rank;
 5. vLLM at OPT-1.3B's shapes in bf16 (where vLLM is installed): the weight push, answer
    tokens/s of a 32 x 256 + 256 greedy rollout, the memory a level-2 sleep gives back, and the
-   answers after the wake and the push equal to those before.
+   answers after the wake and the push equal to those before;
+6. the published recipe's PPO step (experiment=opt-1.3b-350m: an OPT-1.3B-shaped actor, an
+   OPT-350m-shaped critic and reward model, ZeRO-2, EMA, vLLM rollouts where installed) at 256
+   prompt + 256 answer tokens: prompts/s against DeepSpeed-Chat's published single-A100 figure,
+   the split of an iteration (generate / score / update / sync / other) and peak GPU memory.
 
 Exit status 0 when every check passes. tests/gpu/test_gpu_check.py runs it on a GPU (marker
 gpu); tests/test_ppo_correctness.py runs --tiny on CPU (marker slow), so it cannot rot.
@@ -41,6 +45,7 @@ if str(REPO) not in sys.path:  # run as a script: the repository's tests package
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from tests.conftest import FAST, read_metrics, read_summary, run_rlhf  # noqa: E402
 
@@ -270,6 +275,14 @@ def check_zero3_resume(s: Setup) -> list[Row]:
 # OPT-1.3B's layer sizes (the published recipe's actor), for the vLLM check
 OPT_1_3B = dict(hidden_size=2048, word_embed_proj_dim=2048, num_hidden_layers=24, ffn_dim=8192)
 OPT_1_3B.update(num_attention_heads=32, max_position_embeddings=2048)
+OPT_350M = dict(hidden_size=1024, word_embed_proj_dim=512, num_hidden_layers=24, ffn_dim=4096)
+OPT_350M.update(num_attention_heads=16, max_position_embeddings=2048, do_layer_norm_before=False)
+TINY_OPT = dict(hidden_size=64, word_embed_proj_dim=64, num_hidden_layers=2, ffn_dim=128)
+TINY_OPT.update(num_attention_heads=4, max_position_embeddings=128)
+# DeepSpeed-Chat's README, step 3 of OPT-1.3B actor + OPT-350m critic on one A100-40G at 256 +
+# 256 tokens: about 3.1 generated prompts a second (its e2e time table)
+DSCHAT_PROMPTS_PER_S = 3.1
+SPLIT = ("generate", "score", "update", "sync", "other")
 
 
 def check_vllm(s: Setup) -> list[Row]:
@@ -352,6 +365,85 @@ def check_vllm(s: Setup) -> list[Row]:
     return rows_out
 
 
+def random_opt(shape: dict, out: Path, reward: bool = False) -> Path:
+    """A random-weight OPT of ``shape`` with the shipped tokenizer, saved as an export (a
+    sequence classifier for the reward model's place)."""
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
+
+    from rlhf.assets import TINY_TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    vocab = len(tokenizer) + 8 - len(tokenizer) % 8
+    ids = {k: getattr(tokenizer, f"{k}_token_id") for k in ("pad", "bos", "eos")}
+    config = OPTConfig(
+        vocab_size=vocab, num_labels=1, **{f"{k}_token_id": v for k, v in ids.items()}, **shape
+    )
+    torch.manual_seed(0)
+    model = (OPTForSequenceClassification if reward else OPTForCausalLM)(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def check_recipe(s: Setup) -> list[Row]:
+    """The published recipe's PPO step at its shapes and lengths (--tiny: a 64-wide OPT at 32 +
+    32 tokens on CPU): prompts/s over the iterations after the first two, each part's share."""
+    import importlib.util
+
+    actor_shape, critic_shape = (TINY_OPT, TINY_OPT) if s.tiny else (OPT_1_3B, OPT_350M)
+    prompt, answer, steps = (32, 32, 4) if s.tiny else (256, 256, 8)
+    actor = random_opt(actor_shape, s.out / "recipe-models" / "actor")
+    reward = random_opt(critic_shape, s.out / "recipe-models" / "reward", reward=True)
+    engine = "vllm" if importlib.util.find_spec("vllm") and not s.tiny else "hf"
+    run_dir = s.out / "recipe"
+    started = time.perf_counter()
+    s.run(
+        "recipe",
+        [
+            "experiment=opt-1.3b-350m",
+            "step=ppo",
+            f"actor.model.path={actor}",
+            f"critic.model.path={reward}",
+            "data=toy",  # nothing to download; prompts padded to the recipe's 256 as it pads them
+            "ppo.prompt_sources=[]",
+            "data.pad_to_max_len=true",
+            f"data.max_seq_len={prompt + answer}",
+            f"data.max_prompt_len={prompt}",
+            f"ppo.max_new_tokens={answer}",
+            "ppo.stop_at_eos=false",  # every answer 256 tokens, as the published benchmark
+            f"ppo.rollout_engine={engine}",
+            f"step.max_steps={steps}",
+            "step.eval_at_start=false",
+            "step.save_model=false",
+            "step.log_interval=1",
+            "ppo.eval_prompts=4",
+            "ppo.eval_samples=1",
+            "ppo.eval_greedy=false",
+        ],
+        ranks=1,
+    )
+    rows = [r for r in read_metrics(run_dir) if "perf/s_per_iter" in r][2:]  # after warm-up
+    seconds = sum(r["perf/s_per_iter"] for r in rows) / max(len(rows), 1)
+    ppo = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["ppo"]
+    prompts = ppo["per_device_generation_batch_size"] * ppo["generation_batches"]
+    per_s = prompts / seconds if seconds else math.nan
+    split = {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / max(len(rows), 1) for p in SPLIT}
+    shares = ", ".join(f"{p} {v / seconds:.0%}" for p, v in split.items()) if seconds else "-"
+    peak = read_summary(run_dir).get("perf/peak_mem_gb", math.nan)
+    where = f"{engine} rollouts, {prompt} + {answer} tokens, {time.perf_counter() - started:.0f} s"
+    expected = "reported (CPU)" if s.tiny else f">= {DSCHAT_PROMPTS_PER_S} (DeepSpeed-Chat, A100)"
+    return [
+        Row(
+            f"recipe PPO prompts/s ({where})",
+            f"{per_s:.2f} prompts/s, {seconds:.2f} s an iteration",
+            expected,
+            math.isfinite(per_s) and (s.tiny or per_s >= DSCHAT_PROMPTS_PER_S),
+        ),
+        Row("recipe PPO iteration split", shares, "parts of the iteration", bool(rows)),
+        Row("recipe PPO peak memory a rank", f"{peak:.2f} GB", "reported", math.isfinite(peak)),
+    ]
+
+
 def _max_difference(a: Path, b: Path, export: str) -> float:
     from safetensors.torch import load_file
 
@@ -387,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[Row] = []
     checks = (check_pipeline, check_hybrid_engine, check_logprob_gap, check_zero3_resume)
-    for check in (*checks, check_vllm):
+    for check in (*checks, check_vllm, check_recipe):
         print(f"{check.__name__} ...", flush=True)
         try:
             rows += check(s)
