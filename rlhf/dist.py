@@ -173,6 +173,7 @@ def free_port() -> int:
 SLURM_PORTS = (10000, 29000)
 
 
+# not submitit's TorchDistributedEnvironment: submitit jobs only, name for NodeAddr, ephemeral ports
 def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
     """torch.distributed's variables for a task of an ``srun`` step of several tasks, one task a
     rank (``srun --ntasks-per-node=G python -m rlhf ...``, and hydra/launcher=slurm's jobs).

@@ -196,6 +196,7 @@ class SlurmTask:
         mechanics.write_record(
             job_dir, {"status": "REQUEUED", "requeues": requeues, "note": f"requeued at {why}"}
         )
+        # not submitit's _requeue, which raises when scontrol fails (as when SLURM requeues itself)
         done = subprocess.run(
             ["scontrol", "requeue", env.job_id], capture_output=True, text=True, timeout=60
         )
@@ -214,9 +215,12 @@ def restart_count() -> int:
 
 def warning_signal() -> int:
     """The signal submitit asks SLURM to send before the time limit (sbatch --signal)."""
-    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+    import submitit
+
+    return signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
 
 
+# not submitit's SignalHandler, which requeues at once: rlhf's command first writes its checkpoint
 class StopForwarder:
     """While a task's command runs, SLURM's warning signal becomes a SIGTERM to the command:
     rlhf then writes a checkpoint and exits at the end of its current step."""
@@ -264,6 +268,7 @@ def _run_quietly(
     return mechanics.JobResult(returncode, time.perf_counter() - started)
 
 
+# not submitit's has_timed_out, which needs timeout_min (null here: the partition's time limit)
 def reached_time_limit(job_id: str, signal_delay_s: int) -> bool:
     """Whether SLURM's warning came for the time limit (the job has run about its limit less
     ``signal_delay_s``; SLURM sends it up to 30 s early) rather than for a preemption (which
