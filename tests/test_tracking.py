@@ -498,8 +498,7 @@ def read_records(path: Path):
 @pytest.fixture
 def real_offline_wandb(tmp_path, monkeypatch):
     """The real client, offline, in a W&B session of this test's own: a session an earlier test
-    of this worker started would ignore the settings below (CI saw an offline file without its
-    run record after one)."""
+    of this worker started would ignore the settings below."""
     wandb.teardown()
     for name, value in (
         ("WANDB_MODE", "offline"),
@@ -526,6 +525,7 @@ def test_an_offline_run_dir_holds_what_sync_uploads(tmp_path, real_offline_wandb
     export = write_export(run_dir)
     t.summary({"perf/peak_mem_gb": 1.25})
     t.close()
+    wandb.teardown()  # finish() may return before the service has written the file out
     [log_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     records = {}
     for record in read_records(log_file):
@@ -556,6 +556,7 @@ def test_an_offline_sweep_run_holds_the_table(tmp_path, real_offline_wandb):
     sweep_dir = tmp_path / "sweep"
     records = sweep_records(fake_sweep(sweep_dir))
     wandb_sweep.log_sweep(sweep_dir, records, LoggerConfig(backend="wandb", mode="offline"))
+    wandb.teardown()  # as above: the file is complete once the service has stopped
     [log_file] = sweep_dir.glob("wandb/offline-run-*/run-*.wandb")
     found = {}
     for record in read_records(log_file):
