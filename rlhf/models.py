@@ -221,6 +221,11 @@ def load_causal_lm(
     return lm
 
 
+def positions_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions that skip left padding, as HF's generate assigns them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 class ValueModel(torch.nn.Module):
     """A scalar per token: a sequence-classification model's backbone (its last hidden states)
     through its ``score`` head. The reward model and the critic. ``hf`` stays a plain
@@ -242,7 +247,7 @@ class ValueModel(torch.nn.Module):
         inner = self.hf.get_base_model() if hasattr(self.hf, "get_base_model") else self.hf
         backbone = getattr(inner, inner.base_model_prefix)
         if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = positions_of(attention_mask)
         hidden = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -24,6 +24,7 @@ from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
 from rlhf.dist import all_reduce_sum, max_over_ranks
 from rlhf.engine import model_device
+from rlhf.models import positions_of
 from rlhf.registry import ESTIMATORS, AdvantageInputs, kl_needs_logits, rollout_correction
 from rlhf.rl.advantages import Shaping, outcome_rewards
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
@@ -82,11 +83,6 @@ class Experience(NamedTuple):
         )
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as HF generate assigns them."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def response_logprobs(
     model,
     sequences: torch.Tensor,
@@ -106,7 +102,7 @@ def response_logprobs(
         logits = model(
             input_ids=sequences,
             attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
+            position_ids=positions_of(attention_mask),
             use_cache=False,
         ).logits[:, start:-1]
     else:

@@ -24,6 +24,7 @@ from transformers import (
 
 from rlhf.config import Config
 from rlhf.data.collate import left_pad
+from rlhf.models import positions_of
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ def decode_dropping_finished(
     warpers = sampling_warpers(sampling)
     rows = torch.arange(batch, device=device)  # the prompt each running answer belongs to
     mask = prompt_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = positions_of(mask)
     cache = DynamicCache(config=model.config)
     cache_kwarg = {cache_argument(model): cache}
 
