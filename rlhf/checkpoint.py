@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
+from rlhf.config.schema import RENAMED_KEYS
 from rlhf.dist import barrier, is_main, rank, unshared_dirs, world_size
 from rlhf.files import dir_size, no_space_message, out_of_space
 
@@ -291,8 +292,10 @@ def config_differences(
     saved: dict[str, Any], current: dict[str, Any], unread: tuple[str, ...] = ()
 ) -> list[str]:
     """'key: A there, B here' for each key that matters (not in RESUMABLE nor in a section the
-    step does not read, ``unread``) and differs."""
-    there, here = flat(saved), flat(json.loads(json.dumps(current, default=str)))
+    step does not read, ``unread``) and differs. A key renamed since the checkpoint was written
+    is compared under its new name."""
+    there = {RENAMED_KEYS.get(k, k): v for k, v in flat(saved).items()}
+    here = flat(json.loads(json.dumps(current, default=str)))
     absent = "(absent)"
     return [
         f"{key}: {there.get(key, absent)!r} there, {here.get(key, absent)!r} here"

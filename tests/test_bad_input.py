@@ -583,6 +583,9 @@ def test_what_a_resumed_run_may_change():
         "optim.lr: 0.001 there, 0.01 here",
         "seed: '(absent)' there, 7 here",
     ]
+    # a checkpoint written before actor.twin_path became actor.reference_path still resumes
+    renamed = {"actor": {"twin_path": "/ref"}}
+    assert checkpoint.config_differences(renamed, {"actor": {"reference_path": "/ref"}}) == []
 
 
 def test_resume_force_continues_whatever_the_config(tmp_path):
