@@ -77,7 +77,8 @@ def test_demonstrations_and_chosen_pass_and_every_rejected_fails(train_rows, tes
         assert TASK.grade(row["prompt"], row["chosen"]) == Grade(True, True)
         verdict = TASK.grade(row["prompt"], row["rejected"])
         assert not verdict.correct, row
-        assert verdict.clean == (row["rejected_kind"] != "malformed_call"), row
+        unclean = ("malformed_call", "unanswered")  # a call it cannot evaluate; no answer sentence
+        assert verdict.clean == (row["rejected_kind"] not in unclean), row
 
 
 def test_rejected_kinds_look_as_documented(train_rows):
@@ -88,6 +89,10 @@ def test_rejected_kinds_look_as_documented(train_rows):
         call, observed = by_kind[kind]["rejected"].split("</call> = ")
         assert toy_tools.calculate(call.removeprefix(" <call>")) is not None
         assert observed.split(" ", 1)[0] == str(toy_tools.calculate(call.removeprefix(" <call>")))
+    unanswered = [r for r in train_rows if r["rejected_kind"] == "unanswered"]
+    for row in unanswered:  # the call and its result, then no answer sentence and no right value
+        assert "The answer is " not in row["rejected"].split("</call> = ")[1]
+        assert not toy_tools.grade(row["prompt"], row["rejected"]).correct
 
 
 def test_grade_reads_the_answer_after_the_last_observation_only():

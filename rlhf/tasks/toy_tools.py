@@ -20,7 +20,7 @@ only in :data:`TOOL_SHARE` of the demonstrations, so SFT alone mostly teaches di
 cannot get right. The comparisons prefer the right value: ``chosen`` is a correct transcript, a
 tool one in :data:`CHOSEN_TOOL_SHARE` of the rows; ``rejected`` always has a wrong final value
 (a direct answer with a small model's error, a call whose result is miscopied, a malformed call,
-or a call with a wrong operand).
+a call with a wrong operand, or a call and its result with no answer after them).
 
 Held-out test prompts are never train prompts: a fixed fifth of the (operation, operands) space,
 chosen by a hash and independent of the seed, is test-only.
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 # Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
-GENERATOR_VERSION = 3
+GENERATOR_VERSION = 4
 
 # A minority of tool demonstrations: SFT makes the tool known without making it the habit, so
 # that using it more is what RLHF has to learn.
@@ -91,9 +91,14 @@ _CALCULATOR_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EXPRESSION = re.compile(r"\s*(\d{1,9})\s*([-+*])\s*(\d{1,9})\s*")
 _METRIC_NAMES = ("tool_calls", "tool_errors")
 
-# Every rejected answer has a wrong final value; see :func:`_rejected`.
-REJECTED_KINDS = ("wrong_value", "miscopied", "malformed_call", "wrong_operands")
-_REJECTED_WEIGHTS = (0.4, 0.2, 0.2, 0.2)
+# Every rejected answer has a wrong final value; see :func:`_rejected`. ``unanswered`` (a call
+# and its result, then no answer sentence): without it the reward model never saw a transcript
+# stop short of its answer, and GRPO learnt to end on " = 1552 2." (scored above the right one).
+REJECTED_KINDS = ("wrong_value", "miscopied", "malformed_call", "wrong_operands", "unanswered")
+_REJECTED_WEIGHTS = (0.35, 0.2, 0.15, 0.15, 0.15)
+# what follows the observation in an unanswered transcript: nothing, an unfinished sentence, or
+# stray digits ({n}: a digit that is not the answer)
+_UNANSWERED_TAILS = ("", " The answer is", " The", " {n}.", " {n} {n}.", " {n}")
 # Calls the calculator cannot evaluate, as a small model writes them.
 _MALFORMED_CALLS = (
     "",
@@ -387,6 +392,7 @@ def _rejected(kind: str, problem: Problem, rng: random.Random) -> str:
     - miscopied       " <call> 123 + 456</call> = 579 The answer is 597."
     - malformed_call  " <call> 123 +</call> = error The answer is 589."
     - wrong_operands  " <call> 124 + 456</call> = 580 The answer is 580."
+    - unanswered      " <call> 123 + 456</call> = 579 2."
     """
     if kind == "wrong_value":
         return answer_sentence(_wrong_value(problem, rng))
@@ -400,6 +406,10 @@ def _rejected(kind: str, problem: Problem, rng: random.Random) -> str:
         wrong = _wrong_operands(problem, rng)
         called = tool_call(wrong.expression) + observation(wrong.value)
         return called + answer_sentence(wrong.value)
+    if kind == "unanswered":
+        called = tool_call(problem.expression) + observation(problem.value)
+        digits = [n for n in range(10) if n != problem.value]
+        return called + rng.choice(_UNANSWERED_TAILS).format(n=rng.choice(digits))
     raise ValueError(f"unknown rejected kind {kind!r}")
 
 
