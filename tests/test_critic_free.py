@@ -358,6 +358,13 @@ def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do(PPO):
     assert dapo.loss_aggregation == "token-mean"
 
 
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "gspo", "cispo"])
+def test_the_grpo_family_keeps_empty_answers_in_its_loss(algo, PPO):
+    """Masked, an empty answer costs nothing: GRPO drifted to them on data=toy_tools."""
+    ppo = validated(compose([f"algo={algo}", *PPO])).ppo
+    assert ppo.short_answer_penalty == 1.0 and ppo.min_response_tokens == 2
+
+
 def test_dapos_overlong_buffer_is_a_fifth_of_the_answer_budget_unless_given(tmp_path):
     from rlhf.rl.advantages import overlong_buffer
 
