@@ -6,6 +6,7 @@ part in rank 1's collective generate. Each rank prints one "rank R ok ..." line 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import deepspeed
 import torch
@@ -30,6 +31,13 @@ class RankTurns:
 
     def step(self, episode: Episode, turn: str) -> Step:
         return Step(" Human: ok.", done=len(episode.turns) + 1 >= self.turns)
+
+
+def report(line: str) -> None:
+    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
+    write of the newline let two ranks' lines run together."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -74,7 +82,7 @@ def main() -> None:
     )
     mask = rollout.response_mask
     torch.testing.assert_close(trained[mask], rollout.logprobs[mask], atol=1e-4, rtol=1e-4)
-    print(f"rank {rank()} ok: turns {turns.tolist()}", flush=True)
+    report(f"rank {rank()} ok: turns {turns.tolist()}")
     teardown()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -17,6 +18,13 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.dist import init_distributed, rank
 from rlhf.models import export_pretrained, full_state_dict
+
+
+def report(line: str) -> None:
+    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
+    write of the newline let two ranks' lines run together."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -58,7 +66,7 @@ def main() -> None:
     exported = load_file(out_dir / "model.safetensors")
     for name, tensor in exported.items():
         assert torch.equal(tensor, expected[name]), name
-    print(f"rank {rank()} ok: {len(exported)} tensors exported", flush=True)
+    report(f"rank {rank()} ok: {len(exported)} tensors exported")
 
 
 if __name__ == "__main__":

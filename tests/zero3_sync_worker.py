@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 
 import deepspeed
 import torch
@@ -19,6 +20,13 @@ from rlhf.models import apply_lora
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights
+
+
+def report(line: str) -> None:
+    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
+    write of the newline let two ranks' lines run together."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -71,7 +79,7 @@ def main() -> None:
         assert gap < 1e-4, gap
         rollouts.close()
         line += f"; vLLM push {seconds:.3f} s, greedy equal, log-prob gap {gap:.2e}"
-    print(line, flush=True)
+    report(line)
 
 
 if __name__ == "__main__":
