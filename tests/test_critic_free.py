@@ -338,9 +338,10 @@ def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
     assert config.ppo.advantage_estimator == estimator
     assert registry.uses_critic(config.ppo) is not critic_free
     assert config.pipeline.steps == ["sft", "reward", "ppo"]
-    # the same number of answers per rollout as PPO's
+    # PPO's 32 answers a rollout; GRPO's 32 prompts x 4 in one update (conf/algo_tuning/tiny)
     ppo = config.ppo
-    assert ppo.per_device_generation_batch_size * ppo.num_samples_per_prompt == 32
+    answers = 128 if algo in ("grpo", "dr_grpo") else 32
+    assert ppo.per_device_generation_batch_size * ppo.num_samples_per_prompt == answers
 
 
 def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do(PPO):

@@ -88,4 +88,6 @@ def test_grpo_with_the_gold_checker_plays_whole_episodes_in_groups(exports, cach
     _run(overrides, tmp_path, cache_dir)
     rows = _episode_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(0.0 <= r["ppo/reward"] <= 1.0 for r in rows)  # toy_gold's 0/1, whole episodes
+    # toy_gold's 0/1 a whole episode, or GRPO's -1 (ppo.short_answer_penalty) for an empty one
+    assert all(-1.0 <= r["ppo/reward"] <= 1.0 for r in rows)
+    assert all(r["ppo/reward"] >= 0.0 or r["ppo/short_answers"] > 0 for r in rows)
