@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.config import ConfigError
-from rlhf.config.schema import RENAMED_KEYS
+from rlhf.config import RENAMED_KEYS, ConfigError
 from rlhf.dist import barrier, is_main, rank, unshared_dirs, world_size
 from rlhf.files import dir_size, no_space_message, out_of_space
 

@@ -84,7 +84,7 @@ def composed(path: str, overrides: list[str]):
     with open_dict(cfg):
         cfg.pop("hydra", None)
     share_command_line(cfg, given)
-    return validated(cfg)
+    return validated(cfg, trains=False)  # any export, whatever model= tuned
 
 
 def evaluate_reward(cfg, path: str, batch_size: int | None = None) -> dict[str, float]:

@@ -271,22 +271,25 @@ def hybrid_engine_problem(step: str, hybrid_engine: bool, device: str) -> str | 
     return None
 
 
-def validated(cfg: DictConfig, produced: tuple[Path, ...] = ()) -> Config:
+def validated(cfg: DictConfig, produced: tuple[Path, ...] = (), trains: bool = True) -> Config:
     """The typed config, or a ConfigError listing every problem of the schema, the model paths
     and the data, reward and PTX settings. ``produced``: directories an earlier step of the
-    pipeline will write (step=all), which need not exist yet."""
+    pipeline will write (step=all), which need not exist yet. ``trains=False`` (an evaluation):
+    the embedded model's tuning may meet any model, as nothing is trained with it."""
     unknown = unknown_keys(cfg)  # added with "+": the conversion would drop them silently
-    return to_config(cfg, lambda config: unknown + config_problems(config, produced))
+    return to_config(cfg, lambda config: unknown + config_problems(config, produced, trains))
 
 
-def config_problems(config: Config, produced: tuple[Path, ...] = ()) -> list[str]:
+def config_problems(
+    config: Config, produced: tuple[Path, ...] = (), trains: bool = True
+) -> list[str]:
     """Problems that need the file system, the data adapters, the tasks or the reward functions."""
     out = [problem_message(k, v, ok) for k, v, ok in _path_problems(config, produced)]
     for name, source in config.data.sources.items():
         prefix = f"data.sources.{name}."
         out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
     out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
-    return out + tiny_tuning_problems(config) + offload_problems(config)
+    return out + (tiny_tuning_problems(config) if trains else []) + offload_problems(config)
 
 
 # the embedded model's vocabulary is the shipped tokenizer's 1280 and the few tokens a run adds

@@ -37,7 +37,7 @@ def test_the_table_is_the_reward_runs_own(tmp_path, cache_dir):
     assert "64 held-out pairs of toy" in done.stderr
 
 
-def _classifier(path: Path, labels: int) -> Path:
+def _classifier(path: Path, labels: int, vocab_size: int = 1280) -> Path:
     """A tiny DeBERTa-v2 classifier (a pooled head, as OpenAssistant's reward models have)
     with the shipped tokenizer."""
     from transformers import AutoTokenizer, DebertaV2Config, DebertaV2ForSequenceClassification
@@ -46,7 +46,7 @@ def _classifier(path: Path, labels: int) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = DebertaV2Config(
-        vocab_size=1280,
+        vocab_size=vocab_size,
         hidden_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
@@ -77,8 +77,16 @@ def test_a_pooled_classifier_scores_each_row_with_its_own_logit(tmp_path, cache_
     assert 0 <= metrics["eval/accuracy"] <= 1 and "eval/margin_p50" in metrics
 
 
+def test_a_real_sized_export_is_evaluated_under_the_default_model_option(tmp_path, cache_dir):
+    """model=tiny's tuning refuses a real model for training; an evaluation trains nothing."""
+    path = _classifier(tmp_path / "real", labels=1, vocab_size=50272)
+    cfg = composed(str(path), [*DATA, *cache_overrides(cache_dir)])
+    assert cfg.model.path == str(path)
+
+
 def test_a_classifier_of_two_labels_is_refused_in_one_line(tmp_path, capsys):
     path = _classifier(tmp_path / "two", labels=2)
+    capsys.readouterr()  # save_pretrained's progress bar, when no earlier test turned it off
     assert main(["reward", "--path", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --path {path}: a classifier of 2 labels; a reward model has one"

@@ -536,6 +536,17 @@ def test_gpu_check_logprob_gap_rows(gpu_check):
 
 
 @pytest.mark.slow
+def test_gpu_check_recipe_rows(gpu_check):
+    """The published recipe's PPO step (experiment=opt-1.3b-350m), tiny shapes on CPU: its rows
+    report prompts/s, the split of an iteration and the peak memory."""
+    check, s = gpu_check
+    speed, split, peak = check.check_recipe(s)
+    assert speed.ok and split.ok and peak.ok, (speed, split, peak)
+    assert "hf rollouts, 32 + 32 tokens" in speed.check
+    assert all(f"{part} " in split.measured for part in check.SPLIT)
+
+
+@pytest.mark.slow
 def test_two_rank_zero3_ppo_with_ema_and_ptx_resumes_to_the_uninterrupted_run(gpu_check):
     """ZeRO-3 on 2 ranks with EMA and PTX, killed after the checkpoint at step 3 and resumed:
     every logged row (ppo/unsup_loss sums both ranks' PTX rows, so a rank reading another's

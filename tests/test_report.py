@@ -186,6 +186,18 @@ def test_next_commands_paste_back_to_the_paths(tmp_path, name):
                 assert overrides[key] == str(exports[0]), command
 
 
+def test_next_commands_after_a_real_model_name_its_option(tmp_path):
+    """Without model=, a pasted command would run the embedded model's tuning, which refuses a
+    real model's export; the default run's commands stay as short as they were."""
+    exports = {"sft": [tmp_path / "model"], "reward": [tmp_path / "model"]}
+    for step, paths in exports.items():
+        real = [c for c, _ in report.next_commands(step, tmp_path, paths, "opt-1.3b")]
+        tiny = [c for c, _ in report.next_commands(step, tmp_path, paths)]
+        trains = [c for c in real if c.startswith("python -m rlhf ")]
+        assert trains and all(c.startswith("python -m rlhf model=opt-1.3b step=") for c in trains)
+        assert not any("model=tiny" in c or " model=" in c for c in tiny), tiny
+
+
 def test_a_ppo_report_says_where_an_iteration_went():
     parts = {"generate": 0.3, "score": 0.1, "update": 0.5, "sync": 0.0, "other": 0.1}
     summary = {**PPO_SUMMARY, **{f"perf/{name}_s": s for name, s in parts.items()}}

@@ -98,7 +98,10 @@ def test_kl_epochs_runs_the_pipeline_or_ppo_on_given_exports(tmp_path):
             ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"],
         )
     )
-    assert (c.step.name, c.ppo.kl_coef) == ("ppo", 0.3)  # the default, until the sweep sets it
+    assert (c.step.name, c.ppo.kl_coef) == (
+        "ppo",
+        0.3,
+    )  # model=tiny's (conf/tuning/tiny), until the sweep sets it
 
 
 # --- the launcher: discovery and configuration -------------------------------------------------

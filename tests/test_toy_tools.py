@@ -90,6 +90,7 @@ def test_rejected_kinds_look_as_documented(train_rows):
         assert toy_tools.calculate(call.removeprefix(" <call>")) is not None
         assert observed.split(" ", 1)[0] == str(toy_tools.calculate(call.removeprefix(" <call>")))
     unanswered = [r for r in train_rows if r["rejected_kind"] == "unanswered"]
+    assert unanswered
     for row in unanswered:  # the call and its result, then no answer sentence and no right value
         assert "The answer is " not in row["rejected"].split("</call> = ")[1]
         assert not toy_tools.grade(row["prompt"], row["rejected"]).correct

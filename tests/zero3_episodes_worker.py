@@ -6,10 +6,10 @@ part in rank 1's collective generate. Each rank prints one "rank R ok ..." line 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import deepspeed
 import torch
+from rank_report import report  # tests/, the script's own directory
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config import MultiTurnConfig
@@ -31,13 +31,6 @@ class RankTurns:
 
     def step(self, episode: Episode, turn: str) -> Step:
         return Step(" Human: ok.", done=len(episode.turns) + 1 >= self.turns)
-
-
-def report(line: str) -> None:
-    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
-    write of the newline let two ranks' lines run together."""
-    sys.stdout.write(f"{line}\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -1,30 +1,23 @@
 """One rank of the ZeRO-3 export check (run by tests with torchrun --nproc_per_node 2): a
 Llama-architecture model (rotary embeddings keep non-persistent buffers) partitioned by ZeRO-3
-(every parameter) exports, its weights gathered in small buckets, exactly the state dict of an
+(every parameter) exports, its weights gathered by the bucketed ZeRO-3 gather, exactly the state dict of an
 unpartitioned copy. Each rank prints one "rank R ok ..." line or fails."""
 
 from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from pathlib import Path
 
 import deepspeed
 import torch
+from rank_report import report  # tests/, the script's own directory
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.dist import init_distributed, rank
 from rlhf.models import export_pretrained, full_state_dict
-
-
-def report(line: str) -> None:
-    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
-    write of the newline let two ranks' lines run together."""
-    sys.stdout.write(f"{line}\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 
 import deepspeed
 import torch
+from rank_report import report  # tests/, the script's own directory
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config import LoraConfig
@@ -20,13 +20,6 @@ from rlhf.models import apply_lora
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights
-
-
-def report(line: str) -> None:
-    """One write of the whole line: both ranks share torchrun's stdout, and print's separate
-    write of the newline let two ranks' lines run together."""
-    sys.stdout.write(f"{line}\n")
-    sys.stdout.flush()
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ ATTENTIONS = (
 
 
 # the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
-# real model has so few, so a model directory of another vocabulary is not the embedded model
+# real model has so few, so a model directory of over twice this is not the embedded model
 TINY_VOCAB_SIZE = 1280
 # The embedded default model (model=tiny): an OPT built from this config with a fixed seed.
 TINY_INIT = {

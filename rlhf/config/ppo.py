@@ -99,7 +99,8 @@ class PPOConfig:
     # -- reward shaping
     # weight of the per-token KL penalty to the reference in the reward (DeepSpeed-Chat's). The
     # embedded model's is 0.3 (conf/tuning/tiny/common.yaml): it keeps the held-out answers'
-    # correctness where SFT left it while the habits go; 0.2 loses 3-5 points of it, 0.1 more
+    # correctness where SFT left it while the habits go; 0.2 loses 3-5 points of it (4 PPO epochs
+    # x 2 generation batches), 0.1 more
     kl_coef: float = 0.1
     # the per-token KL to the reference, by name (an entry of rlhf.registry.KL_ESTIMATORS):
     # k1, k2, k3 read the answer's tokens, unbiased only if they were sampled; full reads both

@@ -173,7 +173,8 @@ def run(
         (info.run_dir / "summary.json").write_text(text)
         wall = report.since_start()  # start-up included: what the user waited
         links = {step: info.run_dir / step for step in step_dirs}  # shared steps: their links
-        ended = report.pipeline_report(info.run_dir, links, summaries, wall, skipped)
+        model = list(steps.values())[-1][0].model.name
+        ended = report.pipeline_report(info.run_dir, links, summaries, wall, skipped, model)
         report.write(info.run_dir, ended)
     return summary
 
@@ -183,7 +184,8 @@ def run_one(step: str, config: Config, info: RunInfo, in_pipeline: bool = False)
     result = RECIPES[step](config, info)
     if is_main():
         summary = _written_summary(info.run_dir) or result
-        report.write(info.run_dir, report.step_report(step, info.run_dir, summary, in_pipeline))
+        text = report.step_report(step, info.run_dir, summary, in_pipeline, config.model.name)
+        report.write(info.run_dir, text)
     return result
 
 

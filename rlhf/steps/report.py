@@ -172,9 +172,11 @@ def _eval_share(step: str, summary: dict[str, Any]) -> str | None:
     )
 
 
-def step_report(step: str, run_dir: Path, summary: dict[str, Any], in_pipeline: bool) -> str:
+def step_report(
+    step: str, run_dir: Path, summary: dict[str, Any], in_pipeline: bool, model: str = "tiny"
+) -> str:
     """The report of one step that ran in ``run_dir`` (``in_pipeline``: a step of step=all,
-    whose next step follows: no next commands)."""
+    whose next step follows: no next commands; ``model``: the run's model option)."""
     wall = _duration(_number(summary.get("perf/wall_s")))
     if not in_pipeline:  # start-up (imports, the process group) is part of what a user waited
         wall = f"{_duration(since_start())} ({wall} in the step itself)"
@@ -187,7 +189,7 @@ def step_report(step: str, run_dir: Path, summary: dict[str, Any], in_pipeline: 
     if exports:
         lines.append("  exports: " + ", ".join(_path(p) for p in exports))
     if not in_pipeline:
-        lines += _next_lines(next_commands(step, run_dir, exports))
+        lines += _next_lines(next_commands(step, run_dir, exports, model))
     return "\n".join(lines)
 
 
@@ -197,9 +199,11 @@ def pipeline_report(
     summaries: dict[str, dict[str, Any]],
     wall_s: float,
     skipped: set[str],
+    model: str = "tiny",
 ) -> str:
     """The report of ``step=all``: each step's headlines, alarms and exports, then the next
-    commands for the last step's model. ``skipped``: steps found complete, not run now."""
+    commands for the last step's model. ``skipped``: steps found complete, not run now;
+    ``model``: the run's model option."""
     order = " -> ".join(step_dirs)
     lines = [f"rlhf: step=all ({order}) finished in {_duration(wall_s)}: {_path(run_dir)}"]
     rows = {step: headline_rows(step, summaries[step]) for step in step_dirs}
@@ -222,7 +226,7 @@ def pipeline_report(
         lines.append("  exports: " + ", ".join(_path(p) for p in exports))
     last = list(step_dirs)[-1]
     final = [p for p in exports if p.parent == step_dirs[last]]
-    commands = next_commands(last, step_dirs[last], final)
+    commands = next_commands(last, step_dirs[last], final, model)
     commands = [c for c in commands if "rlhf.compare" not in c[0]]
     commands.append(
         (f"python -m rlhf.compare {_arg(run_dir)} OTHER_RUN", "compare with another run")
@@ -231,24 +235,28 @@ def pipeline_report(
     return "\n".join(lines)
 
 
-def next_commands(step: str, run_dir: Path, exports: list[Path]) -> list[tuple[str, str]]:
+def next_commands(
+    step: str, run_dir: Path, exports: list[Path], model: str = "tiny"
+) -> list[tuple[str, str]]:
     """(command, what it does) to run after ``step``, quoted for the shell (and for Hydra's
-    override grammar) so that they paste whatever the paths hold."""
+    override grammar) so that they paste whatever the paths hold. A training command names
+    ``model`` unless it is the default: its option chooses the step's tuning."""
     names = {p.name: p for p in exports}
+    rlhf = "python -m rlhf" if model == "tiny" else f"python -m rlhf model={model}"
     out = []
     if step in ("sft", "dpo") and "model" in names:
         out.append((f"python -m rlhf.chat --path {_arg(names['model'])}", "talk to the model"))
     if step == "sft" and "model" in names:
         out.append(
             (
-                f"python -m rlhf step=reward {_override('model.path', names['model'])}",
+                f"{rlhf} step=reward {_override('model.path', names['model'])}",
                 "train a reward model from it (or step=dpo model.path=...)",
             )
         )
     if step == "reward" and "model" in names:
         out.append(
             (
-                f"python -m rlhf step=ppo actor.model.path=SFT_RUN/model "
+                f"{rlhf} step=ppo actor.model.path=SFT_RUN/model "
                 f"{_override('critic.model.path', names['model'])}",
                 "PPO against this reward model",
             )

@@ -20,7 +20,7 @@ only in :data:`TOOL_SHARE` of the demonstrations, so SFT alone mostly teaches di
 cannot get right. The comparisons prefer the right value: ``chosen`` is a correct transcript, a
 tool one in :data:`CHOSEN_TOOL_SHARE` of the rows; ``rejected`` always has a wrong final value
 (a direct answer with a small model's error, a call whose result is miscopied, a malformed call,
-a call with a wrong operand, or a call and its result with no answer after them).
+a call with a wrong operand) or none (a call and its result with no answer after them).
 
 Held-out test prompts are never train prompts: a fixed fifth of the (operation, operands) space,
 chosen by a hash and independent of the seed, is test-only.
@@ -91,7 +91,7 @@ _CALCULATOR_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EXPRESSION = re.compile(r"\s*(\d{1,9})\s*([-+*])\s*(\d{1,9})\s*")
 _METRIC_NAMES = ("tool_calls", "tool_errors")
 
-# Every rejected answer has a wrong final value; see :func:`_rejected`. ``unanswered`` (a call
+# Every rejected answer has a wrong final value or none; see :func:`_rejected`. ``unanswered`` (a call
 # and its result, then no answer sentence): without it the reward model never saw a transcript
 # stop short of its answer, and GRPO learnt to end on " = 1552 2." (scored above the right one).
 REJECTED_KINDS = ("wrong_value", "miscopied", "malformed_call", "wrong_operands", "unanswered")
@@ -386,7 +386,7 @@ def _malformed_call(problem: Problem, rng: random.Random) -> str:
 
 
 def _rejected(kind: str, problem: Problem, rng: random.Random) -> str:
-    """A transcript of ``kind`` whose final value is wrong:
+    """A transcript of ``kind`` whose final value is wrong (or missing: unanswered):
 
     - wrong_value     " The answer is 589."
     - miscopied       " <call> 123 + 456</call> = 579 The answer is 597."

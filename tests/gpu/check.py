@@ -272,7 +272,7 @@ def check_zero3_resume(s: Setup) -> list[Row]:
     ]
 
 
-# OPT-1.3B's layer sizes (the published recipe's actor), for the vLLM check
+# OPT-1.3B's layer sizes (the published recipe's actor), for the vLLM and recipe checks
 OPT_1_3B = dict(hidden_size=2048, word_embed_proj_dim=2048, num_hidden_layers=24, ffn_dim=8192)
 OPT_1_3B.update(num_attention_heads=32, max_position_embeddings=2048)
 OPT_350M = dict(hidden_size=1024, word_embed_proj_dim=512, num_hidden_layers=24, ffn_dim=4096)
