@@ -16,6 +16,12 @@ import pytest
 from tests.conftest import FAST, REPO, cache_overrides
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's default action, as a terminal's foreground command has it: a suite started in
+    the background (`cmd &` in a script) passes SIGINT on ignored, and Python keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_sweep_is_one_line_and_exit_130(tmp_path, cache_dir):
     sweep_dir = tmp_path / "sweep"
@@ -26,7 +32,13 @@ def test_ctrl_c_in_a_sweep_is_one_line_and_exit_130(tmp_path, cache_dir):
     ]
     env = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_in_a_terminal,
     )
     deadline = time.monotonic() + 600
     while not list(sweep_dir.glob("*/metrics.jsonl")):  # the first job is training
