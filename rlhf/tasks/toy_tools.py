@@ -91,9 +91,10 @@ _CALCULATOR_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EXPRESSION = re.compile(r"\s*(\d{1,9})\s*([-+*])\s*(\d{1,9})\s*")
 _METRIC_NAMES = ("tool_calls", "tool_errors")
 
-# Every rejected answer has a wrong final value or none; see :func:`_rejected`. ``unanswered`` (a call
-# and its result, then no answer sentence): without it the reward model never saw a transcript
-# stop short of its answer, and GRPO learnt to end on " = 1552 2." (scored above the right one).
+# Every rejected answer has a wrong final value or none; see :func:`_rejected`. ``unanswered``
+# (a call and its result, then no answer sentence): without it the reward model never saw a
+# transcript stop short of its answer, and GRPO learnt to end on " = 1552 2." (scored above the
+# right one).
 REJECTED_KINDS = ("wrong_value", "miscopied", "malformed_call", "wrong_operands", "unanswered")
 _REJECTED_WEIGHTS = (0.35, 0.2, 0.15, 0.15, 0.15)
 # what follows the observation in an unanswered transcript: nothing, an unfinished sentence, or
