@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf import registry, tasks
 from rlhf.config import (
+    TINY_MODEL,
     TINY_VOCAB_SIZE,
     Config,
     ConfigError,
@@ -324,7 +325,7 @@ def _tiny_paths(config: Config) -> list[tuple[str, str]]:
         out += _frozen_paths(config)
     names = {"model": config.model.name, "actor": config.actor.model.name}
     names["critic"] = config.critic.model.name
-    return [(k, p) for k, p in out if p is not None and names[k.split(".")[0]] == "tiny"]
+    return [(k, p) for k, p in out if p is not None and names[k.split(".")[0]] == TINY_MODEL]
 
 
 def _model_json_at(path: str) -> dict[str, Any] | None:

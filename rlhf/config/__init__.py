@@ -25,7 +25,14 @@ from rlhf.config.dpo import DPO_LOSSES, LOGPROB_REDUCTIONS, DPOConfig
 from rlhf.config.errors import ConfigError
 from rlhf.config.logger import LOGGER_BACKENDS, WANDB_MODES, LoggerConfig
 from rlhf.config.lora import LoraConfig
-from rlhf.config.model import ATTENTIONS, DTYPES, TINY_INIT, TINY_VOCAB_SIZE, ModelConfig
+from rlhf.config.model import (
+    ATTENTIONS,
+    DTYPES,
+    TINY_INIT,
+    TINY_MODEL,
+    TINY_VOCAB_SIZE,
+    ModelConfig,
+)
 from rlhf.config.multi_turn import MultiTurnConfig
 from rlhf.config.optim import SCHEDULERS, OptimConfig, RoleOptimConfig
 from rlhf.config.pipeline import NOT_READ_BY, PIPELINES, PipelineConfig
@@ -67,6 +74,7 @@ __all__ = [
     "SHARED_PROMPT_LOSSES",
     "STEPS",
     "TINY_INIT",
+    "TINY_MODEL",
     "TINY_VOCAB_SIZE",
     "WANDB_MODES",
     "ActorConfig",

@@ -20,6 +20,8 @@ ATTENTIONS = (
 # the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
 # real model has so few, so a model directory of over twice this is not the embedded model
 TINY_VOCAB_SIZE = 1280
+# model=tiny: the embedded model's option and name, which selects conf/tuning/tiny/
+TINY_MODEL = "tiny"
 # The embedded default model (model=tiny): an OPT built from this config with a fixed seed.
 TINY_INIT = {
     "hidden_size": 128,
@@ -40,7 +42,7 @@ class ModelConfig:
     """A causal LM: a hub id or local directory, or (path=null) the embedded tiny model built
     from ``init`` with a fixed seed and the tokenizer shipped in the package."""
 
-    name: str = "tiny"  # a label for run names and tables
+    name: str = TINY_MODEL  # a label for run names and tables
     path: str | None = None  # hub id or local dir (save_pretrained format); null: build from init
     # OPTConfig arguments of the embedded model (path=null): 4 layers, hidden 128, ~1M parameters
     init: dict[str, Any] = field(default_factory=lambda: dict(TINY_INIT))

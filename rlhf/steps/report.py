@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf.config import TINY_MODEL
+
 # per step: (metric, label), shown where the summary has it
 # an environment's episodes (rlhf.rl.episodes); tool_calls is toy_tools' own metric
 MULTI_TURN = (
@@ -173,7 +175,7 @@ def _eval_share(step: str, summary: dict[str, Any]) -> str | None:
 
 
 def step_report(
-    step: str, run_dir: Path, summary: dict[str, Any], in_pipeline: bool, model: str = "tiny"
+    step: str, run_dir: Path, summary: dict[str, Any], in_pipeline: bool, model: str = TINY_MODEL
 ) -> str:
     """The report of one step that ran in ``run_dir`` (``in_pipeline``: a step of step=all,
     whose next step follows: no next commands; ``model``: the run's model option)."""
@@ -199,7 +201,7 @@ def pipeline_report(
     summaries: dict[str, dict[str, Any]],
     wall_s: float,
     skipped: set[str],
-    model: str = "tiny",
+    model: str = TINY_MODEL,
 ) -> str:
     """The report of ``step=all``: each step's headlines, alarms and exports, then the next
     commands for the last step's model. ``skipped``: steps found complete, not run now;
@@ -236,13 +238,13 @@ def pipeline_report(
 
 
 def next_commands(
-    step: str, run_dir: Path, exports: list[Path], model: str = "tiny"
+    step: str, run_dir: Path, exports: list[Path], model: str = TINY_MODEL
 ) -> list[tuple[str, str]]:
     """(command, what it does) to run after ``step``, quoted for the shell (and for Hydra's
     override grammar) so that they paste whatever the paths hold. A training command names
     ``model`` unless it is the default: its option chooses the step's tuning."""
     names = {p.name: p for p in exports}
-    rlhf = "python -m rlhf" if model == "tiny" else f"python -m rlhf model={model}"
+    rlhf = "python -m rlhf" if model == TINY_MODEL else f"python -m rlhf model={model}"
     out = []
     if step in ("sft", "dpo") and "model" in names:
         out.append((f"python -m rlhf.chat --path {_arg(names['model'])}", "talk to the model"))
