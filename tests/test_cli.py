@@ -67,6 +67,9 @@ BAD = [
     (["data.phase_split=[1,2]"], 2, "data.phase_split=[1, 2]"),
     (["data=local", "data.sources.local.path=/nonexistent/pairs.jsonl"], 2, "/nonexistent/"),
     (["experiment=opt-1.3b-350m", "step=sft", "model.dtype=fp64"], 2, "model.dtype='fp64'"),
+    # numpy's seeds: refused before the run dir's lock and record (issue 48)
+    (["seed=-1"], 2, "seed=-1: expected an integer in 0 .. 4294967295"),
+    (["data.seed=4294967296"], 2, "data.seed=4294967296: expected an integer in 0 .. 4294967295"),
     # an unknown key: refused before Hydra, whose own message says to add "+" (issue 18)
     (["optim.lrr=1"], 2, "the closest known key is optim.lr"),
     (["optim.lr=abc"], 1, "optim.lr"),  # Hydra: wrong type
@@ -90,7 +93,9 @@ def test_bad_value_fails_fast_with_a_message(overrides, status, named, tmp_path)
     if status == 2:  # our validation: one "error:" line, then one line per problem
         assert proc.stderr.startswith("error: ")
         assert len(proc.stderr.strip().splitlines()) <= 3
-    # refused before anything was built or loaded
+    # refused before anything was built or loaded, or the run dir locked and recorded
+    assert not (run_dir / ".hydra").exists()
+    assert not (run_dir / ".run.lock").exists()
     assert not (run_dir / "model").exists()
     assert not (cache / "models").exists()
     assert not (cache / "data").exists()

@@ -7,6 +7,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from rlhf.config.seeds import seed_problems
+
 OVERLONG_PROMPTS = ("truncate", "skip", "error")
 
 
@@ -56,7 +58,7 @@ class DataConfig:
     pad_to_max_len: bool = False
 
     def problems(self) -> list[tuple[str, Any, str]]:
-        out = []
+        out = seed_problems("seed", self.seed)
         if not self.sources:
             out.append(
                 ("sources", "{}", "at least one source (data=toy, data=[rm-static,shp], ...)")

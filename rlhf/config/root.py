@@ -15,6 +15,7 @@ from rlhf.config.pipeline import PipelineConfig
 from rlhf.config.ppo import PPOConfig
 from rlhf.config.reward import RewardConfig
 from rlhf.config.roles import ActorConfig, CriticConfig
+from rlhf.config.seeds import seed_problems
 from rlhf.config.sft import SFTConfig
 from rlhf.config.step import StepConfig
 from rlhf.config.zero import ZeroConfig
@@ -59,7 +60,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def problems(self) -> list[tuple[str, Any, str]]:
-        out = []
+        out = seed_problems("seed", self.seed)
         if self.device not in ("auto", "cpu", "cuda"):
             out.append(("device", self.device, "one of auto, cpu, cuda"))
         if self.resume not in ("auto", "never", "force"):
