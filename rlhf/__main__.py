@@ -394,16 +394,25 @@ def _config_groups(config_dir: str | None) -> set[str]:
 def _run_dir_errors_in_one_line() -> None:
     """Hydra makes the run directory (and its log file there) before any rlhf code runs, and
     answers a failure with a traceback. The command line's hydra.run.dir is checked in the
-    pre-flight; one set in a config file fails here: one line, exit status 2."""
+    pre-flight; one set in a config file is checked here, resolved, before Hydra makes it:
+    one line, exit status 2."""
+    import inspect
+
     from hydra._internal import hydra as hydra_internals
+
+    from rlhf.preflight import check_job_dir
 
     run_job = hydra_internals.run_job
     if getattr(run_job, "one_line", False):
         return
 
     def one_line(*args, **kwargs):
+        job = inspect.signature(run_job).bind(*args, **kwargs).arguments
         try:
+            check_job_dir(job["config"], job["job_dir_key"], job.get("job_subdir_key"))
             return run_job(*args, **kwargs)
+        except ConfigError as err:
+            _fail(err)
         except OSError as err:  # the task's own errors stay inside run_job's return
             where = err.filename or HydraConfig.get().runtime.output_dir
             _fail(

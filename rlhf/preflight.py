@@ -7,6 +7,7 @@ one line."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,9 +132,10 @@ def check_composed_yaml(fail: Callable[[ConfigError], None] | None = None) -> No
 
 
 def check_output_dir(key: str, value: str) -> None:
-    """``hydra.run.dir`` / ``hydra.sweep.dir`` as given on the command line: made now (Hydra
-    makes it next, and answers a failure with a traceback), and writable. A value with an
-    interpolation is left to Hydra."""
+    """``hydra.run.dir`` / ``hydra.sweep.dir`` as given on the command line (or, resolved, as
+    a job is about to get it: :func:`check_job_dir`): made now (Hydra makes it next, and
+    answers a failure with a traceback), and writable. A value with an interpolation is left
+    to Hydra."""
     if "${" in value:
         return
     path = Path(value).expanduser()
@@ -146,8 +148,42 @@ def check_output_dir(key: str, value: str) -> None:
             f"{key}={value}: cannot make the directory ({err.strerror}: {err.filename}); "
             f"choose another {key}"
         ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={value}: the directory is not writable; choose another {key}")
+    problem = _cannot_write_in(path)
+    if problem is not None:
+        raise ConfigError(
+            f"{key}={value}: the directory is not writable ({problem}); choose another {key}"
+        )
+
+
+def _cannot_write_in(path: Path) -> str | None:
+    """Why no file can be made in ``path`` (None: one can). A file is made and removed: the
+    permission bits do not tell (root passes os.access where sysfs or an ACL refuses it)."""
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    return None
+
+
+def check_job_dir(config, job_dir_key: str, job_subdir_key: str | None) -> None:
+    """The directory Hydra's run_job is about to make and log into, resolved as it resolves
+    it: a value set in a config file (-cd), which the command-line pre-flight cannot see.
+    With Hydra's file log opened lazily, an unwritable one would otherwise fail later, in
+    the run's own first write, with a traceback."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    hydra_config = HydraConfig.instance()
+    previous = hydra_config.cfg
+    hydra_config.set_config(config)  # ${hydra:...} in the value resolves
+    try:
+        where = str(OmegaConf.select(config, job_dir_key))
+        if job_subdir_key is not None:
+            where = os.path.join(where, str(OmegaConf.select(config, job_subdir_key)))
+    finally:
+        hydra_config.cfg = previous
+    check_output_dir(job_dir_key, where)
 
 
 def check_default_outputs(outputs: Path = Path("outputs")) -> None:

@@ -92,9 +92,10 @@ RENAMED = {
 
 
 def test_a_renamed_key_names_its_new_name():
-    from rlhf.config import RENAMED_KEYS, unknown_key, unknown_keys
+    from rlhf.config import RENAMED_KEYS, register_configs, unknown_key, unknown_keys
     from tests.conftest import compose
 
+    register_configs()  # the schema compose() needs, when this file runs alone
     assert RENAMED_KEYS == RENAMED
     for old, new in RENAMED.items():
         assert unknown_key(old) == f"no such key; renamed to {new}"
@@ -166,8 +167,35 @@ def test_a_run_dir_a_config_file_sets_that_cannot_be_made_is_one_line(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith("error: hydra.run.dir: cannot make or write /proc/rlhf-no")
-    assert "set hydra.run.dir to a writable directory" in line
+    assert line.startswith("error: hydra.run.dir=/proc/rlhf-no/run: cannot make the directory")
+    assert line.endswith("choose another hydra.run.dir")
+
+
+def _existing_unwritable_dir(tmp_path) -> str:
+    """A directory that exists and refuses new files: a chmod 555 one, except for root, whom
+    permissions do not stop (sysfs refuses a new file to everyone)."""
+    if os.geteuid() == 0:
+        return "/sys/kernel"
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    return str(read_only)
+
+
+def test_an_existing_read_only_run_dir_a_config_file_sets_is_one_line(tmp_path):
+    """It exists, so Hydra makes nothing, and the first write there (Hydra's log file, or the
+    run's lock once the log opens lazily) answered with a traceback of 20-32 lines."""
+    run_dir = _existing_unwritable_dir(tmp_path)
+    experiment = f"defaults:\n  - config\n  - _self_\nhydra:\n  run:\n    dir: {run_dir}\n"
+    (tmp_path / "ro.yaml").write_text(experiment)
+    proc = run_rlhf(
+        ["-cd", str(tmp_path), "-cn", "ro", "step=sft"], check=False, extra_env=NO_TRACE
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line == (
+        f"error: hydra.run.dir={run_dir}: the directory is not writable (Permission denied); "
+        "choose another hydra.run.dir"
+    )
 
 
 def test_an_outputs_file_in_the_working_directory_is_one_line(tmp_path):
