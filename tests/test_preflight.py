@@ -216,8 +216,34 @@ def test_an_outputs_file_in_the_working_directory_is_one_line(tmp_path):
     )
 
 
+STAGE_5 = "zero.stage=5: expected one of 0, 1, 2, 3"
+
+
+def test_a_config_error_leaves_its_message_in_torchruns_error_file(tmp_path):
+    """torchrun answers a rank's non-zero exit with its own traceback and failure report,
+    whatever the rank does; the rank's error file (TORCHELASTIC_ERROR_FILE) is what that
+    report shows as the failure's "traceback". Read back with torch's own reader."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    proc = run_rlhf(
+        ["zero.stage=5"],
+        run_dir=tmp_path / "run",
+        check=False,
+        extra_env={**NO_TRACE, "TORCHELASTIC_ERROR_FILE": str(error_file)},
+    )
+    assert proc.returncode == 2 and STAGE_5 in proc.stderr, proc.stderr[-2000:]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("rlhf", {0: failure}).format_msg()
+    root_cause = report[report.index("Root Cause") :]
+    assert "traceback : error: invalid configuration:" in root_cause, report
+    assert STAGE_5 in root_cause and "To enable traceback" not in report
+
+
 @pytest.mark.slow
 def test_a_config_error_under_torchrun_is_printed_once(tmp_path, cache_dir):
+    """Rank 0 prints the one error line; torchrun's own report follows (its traceback cannot be
+    avoided from a rank) and ends with the same message as the root cause."""
     proc = run_rlhf(
         ["zero.stage=5", f"cache_dir={cache_dir}"],
         run_dir=tmp_path / "run",
@@ -227,4 +253,8 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path, cache_dir):
         extra_env={**NO_TRACE, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode != 0
-    assert proc.stderr.count("zero.stage=5: expected one of 0, 1, 2, 3") == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: invalid configuration:"], proc.stderr
+    root_cause = proc.stderr[proc.stderr.index("Root Cause (first observed failure):") :]
+    assert "traceback : error: invalid configuration:" in root_cause, proc.stderr
+    assert STAGE_5 in root_cause and "To enable traceback" not in proc.stderr
