@@ -30,7 +30,7 @@ from rlhf import dist
 from rlhf.__main__ import _run_time_str
 from rlhf.config import register_configs
 from rlhf.tools import slurm
-from tests.conftest import SWEEPS_DIR, cache_overrides, compose, compose_sweep
+from tests.conftest import REPO, SWEEPS_DIR, cache_overrides, compose, compose_sweep
 from tests.scale_out import (
     SMALL,
     assert_same_losses,
@@ -178,8 +178,30 @@ def test_a_bad_launcher_value_stops_the_sweep_with_one_line(tmp_path):
     proc = run([*argv, f"hydra.sweep.dir={tmp_path}"], timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "hydra.launcher.tasks_per_node=0: expected a whole number >= 1" in proc.stderr
-    # nothing submitted: no job dir, only Hydra's record of the multirun
-    assert [p.name for p in tmp_path.iterdir()] == ["multirun.yaml"]
+    # refused before Hydra's sweeper writes its record of the multirun: nothing written
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_machine_without_slurm_stops_the_sweep_with_one_line(tmp_path):
+    """No SLURM commands on PATH (this interpreter's bin alone, whatever the machine has):
+    submitit's 'Could not detect "srun"' came as a 25-line traceback after the sweep dir
+    was written."""
+    argv = [*command("slurm_sweep"), f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "PATH": str(Path(sys.executable).parent), "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (
+        "error: hydra/launcher=slurm: no SLURM here (sbatch, srun, squeue not found on PATH); "
+        "run the sweep on a SLURM login node, where sbatch works, or drop "
+        "hydra/launcher=slurm to run its jobs on this machine"
+    )
+    assert not list((tmp_path / "sweep").iterdir())  # not even Hydra's multirun.yaml
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))

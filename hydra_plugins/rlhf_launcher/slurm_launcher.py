@@ -26,6 +26,7 @@ from hydra.core.utils import JobReturn, configure_log, setup_globals
 from omegaconf import OmegaConf
 
 from hydra_plugins.rlhf_launcher.rlhf_launcher import PreparedJob, RlhfLauncher
+from rlhf.tools import launcher as mechanics
 from rlhf.tools import slurm
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,15 @@ class SlurmLauncher(RlhfLauncher):
         self.folder = str(conf["submitit_folder"])
         self.max_num_timeout = int(conf["max_num_timeout"])
         self.poll_s = float(conf["poll_s"])
+
+    def setup(self, **kwargs: Any) -> None:
+        """Before Hydra's sweeper writes anything (multirun.yaml): a bad launcher value (a
+        SlurmError), then a machine without SLURM (one line, exit status 2)."""
+        self.sbatch  # noqa: B018
+        missing = slurm.missing_slurm()
+        if missing is not None:
+            mechanics.refuse(missing)
+        super().setup(**kwargs)
 
     @property
     def sbatch(self) -> dict[str, Any]:

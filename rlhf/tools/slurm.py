@@ -96,6 +96,33 @@ class SlurmError(CompactHydraException):
     says why, without a traceback."""
 
 
+# what the sweep's machine runs: submitit submits with sbatch and refuses to start without
+# srun (which runs the job's tasks); the sweep watches its jobs with squeue
+SUBMIT_COMMANDS = ("sbatch", "srun", "squeue")
+
+
+def missing_slurm() -> str | None:
+    """Why this machine cannot submit the sweep to SLURM (None: it can): SLURM's commands
+    not on PATH (submitit would raise 'Could not detect "srun"' with a traceback), or
+    submitit not installed."""
+    import importlib.util
+    import shutil
+
+    missing = [command for command in SUBMIT_COMMANDS if shutil.which(command) is None]
+    if missing:
+        return (
+            f"hydra/launcher=slurm: no SLURM here ({', '.join(missing)} not found on PATH); "
+            "run the sweep on a SLURM login node, where sbatch works, or drop "
+            "hydra/launcher=slurm to run its jobs on this machine"
+        )
+    if importlib.util.find_spec("submitit") is None:
+        return (
+            "hydra/launcher=slurm: submitit is not installed in this environment "
+            f"({sys.prefix}); pip install -e '.[slurm]'"
+        )
+    return None
+
+
 def sbatch_parameters(conf: dict[str, Any]) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters for the launcher ``conf``: no GPU request on a CPU
     partition (gpus_per_node null or 0), one task a GPU or one task a node, the partition's
