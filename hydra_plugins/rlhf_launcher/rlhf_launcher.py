@@ -28,7 +28,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from rlhf.tools import launcher as mechanics
-from rlhf.tools import sweep_summary, wandb_sweep
+from rlhf.tools import refusals, sweep_summary, wandb_sweep
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,16 @@ class RlhfLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = self._sweep_dir()
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info(
-            f"Launching {len(job_overrides)} job(s) in {sweep_dir}, one process group each, "
-            f"{self.nproc_per_node} rank(s) per job"
-        )
         jobs = [
             self._prepare(initial_job_idx + offset, list(overrides))
             for offset, overrides in enumerate(job_overrides)
         ]
         self._refuse_shared_dirs(jobs)
+        self._refuse_what_every_job_would(jobs, on_this_machine=True)
+        log.info(
+            f"Launching {len(job_overrides)} job(s) in {sweep_dir}, one process group each, "
+            f"{self.nproc_per_node} rank(s) per job"
+        )
         returns, failures = [], []
         try:
             for job in jobs:
@@ -139,6 +140,13 @@ class RlhfLauncher(Launcher):
                     "${hydra.job.override_dirname}, names each job by its overrides)"
                 )
             taken[job.job_dir] = job.index
+
+    def _refuse_what_every_job_would(self, jobs: list[PreparedJob], on_this_machine: bool) -> None:
+        """A problem every job would be refused with (the hub offline, a missing file) is
+        one line before any job starts, not one FAILED job after another."""
+        common = refusals.common_refusal([job.sweep_config for job in jobs], on_this_machine)
+        if common is not None:
+            mechanics.refuse(common)
 
     def _launch_one(self, job: PreparedJob) -> tuple[JobReturn, mechanics.JobFailed | None]:
         idx = job.index

@@ -117,6 +117,7 @@ class SlurmLauncher(RlhfLauncher):
             for offset, overrides in enumerate(job_overrides)
         ]
         self._refuse_shared_dirs(jobs)
+        self._refuse_what_every_job_would(jobs, on_this_machine=False)
         submitted = self._submit(jobs, sbatch)
         log.info(
             f"Submitted {len(jobs)} SLURM job(s) ({submitted[0].job.job_id.split('_')[0]}), "
