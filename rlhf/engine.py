@@ -3,9 +3,12 @@ Hydra config, the optimizer and scheduler, and ``deepspeed.initialize``."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import re
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -24,7 +27,9 @@ NO_DECAY_NAMES = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight"
 
 
 def device_type(requested: str) -> str:
-    """'cuda' or 'cpu'. DeepSpeed picks its accelerator from DS_ACCELERATOR, so set it first."""
+    """'cuda' or 'cpu'. DeepSpeed picks its accelerator from DS_ACCELERATOR, so set it first
+    (and the folder its JIT-built ops go to: keep_builds_apart)."""
+    keep_builds_apart()
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -139,12 +144,47 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, lora: LoraConfig
 CPU_ADAM = "cpu_adam"  # the op's name, and its build directory's
 
 
-def cpu_adam_build_dir() -> Path:
-    """Where torch builds DeepSpeed's CPU Adam: $TORCH_EXTENSIONS_DIR or
-    ~/.cache/torch_extensions/<python>_<accelerator>, then cpu_adam/."""
+def keep_builds_apart() -> None:
+    """Unless the user set TORCH_EXTENSIONS_DIR: a folder of this environment's own for the ops
+    DeepSpeed builds with torch. torch's default (~/.cache/torch_extensions/py311_cpu) is one
+    per Python version and device, so two virtual environments on one machine (vLLM's and the
+    plain one, another torch or DeepSpeed) rebuilt each other's ops, a minute each time they
+    alternated. Keyed on the environment (sys.prefix) and the torch and DeepSpeed versions."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(environment_build_root())
+
+
+def environment_build_root() -> Path:
+    """torch's default extensions folder, then one folder per environment: its directory's
+    name, the versions that make a build incompatible, and a hash of where it is."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    try:
+        deepspeed_version = version("deepspeed")
+    except PackageNotFoundError:
+        deepspeed_version = "none"
+    prefix = os.path.realpath(sys.prefix)
+    where = hashlib.sha256(prefix.encode()).hexdigest()[:8]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    name = f"{Path(prefix).name}-{where}-{python}-torch{torch.__version__}-ds{deepspeed_version}"
+    # a plain, visible name: ninja and the compiler get this path (.venv, spaces, "+cpu")
+    return Path(get_default_build_root()) / re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")
+
+
+def _build_directory(op_name: str) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(CPU_ADAM, verbose=False))
+    keep_builds_apart()
+    return Path(_get_build_directory(op_name, verbose=False))
+
+
+def cpu_adam_build_dir() -> Path:
+    """Where torch builds DeepSpeed's CPU Adam: $TORCH_EXTENSIONS_DIR (the user's, or this
+    environment's own: keep_builds_apart), then cpu_adam/."""
+    return _build_directory(CPU_ADAM)
 
 
 def _building(build_dir: Path) -> bool | None:
@@ -192,14 +232,13 @@ def shm_comm_build_dir() -> Path | None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or installed_ops.get(builder.NAME):
         return None
     if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return None  # DeepSpeed skips them
-    return Path(_get_build_directory(builder.NAME, verbose=False))
+    return _build_directory(builder.NAME)
 
 
 def shm_comm_build_note(device: str) -> str | None:
