@@ -100,7 +100,7 @@ def evaluate_reward(cfg, path: str, batch_size: int | None = None) -> dict[str, 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    check_one_label(cfg, path)
+    check_reward_export(cfg, path)
     tokenizer = load_tokenizer(cfg.model, path)
     rows = phase_dataset(
         cfg.data, "reward", "eval", tokenizer, end_of_text_id(cfg.model, tokenizer)
@@ -143,13 +143,64 @@ def scoring_model(cfg, path: str, tokenizer) -> torch.nn.Module:
     return model.to(device).eval()
 
 
-def check_one_label(cfg, path: str) -> None:
+# where a run dir holds a reward model: step=all's reward step, a step=reward run's export
+REWARD_EXPORTS = ("reward/model", "model")
+
+
+def check_reward_export(cfg, path: str) -> None:
+    """--path is a reward model: not a run dir (its exports are named), not a causal LM (the
+    check PPO's reward model gets), not a classifier of several labels."""
+    from rlhf import validate
     from rlhf.config import ConfigError
     from rlhf.models import model_config
 
+    if Path(path).expanduser().is_dir():
+        config_json = validate.read_model_config("--path", path)
+        if config_json is None:
+            raise ConfigError(not_an_export_problem(path))
+        need = (
+            "rlhf.evaluate reward scores answers with it: give a reward export (RUN/reward/model)"
+        )
+        check = validate.ModelToCheck("--path", path, validate.REWARD, None, need)
+        problem = validate.causal_lm_as_reward_problem(check, config_json)
+        if problem:
+            raise ConfigError(problem)
     labels = model_config(cfg.model, path).num_labels
     if labels != 1:
-        raise ConfigError(f"--path {path}: a classifier of {labels} labels; a reward model has one")
+        raise ConfigError(f"--path={path}: a classifier of {labels} labels; a reward model has one")
+
+
+def not_an_export_problem(path: str) -> str:
+    """A directory without config.json: a run dir (naming the reward exports in it), or not a
+    model at all."""
+    from rlhf.validate import missing_config_problem
+
+    run = Path(path)
+    exports = [run / e for e in REWARD_EXPORTS if _is_reward_model(run / e)]
+    is_run = any((run / e).is_dir() for e in (*REWARD_EXPORTS, ".hydra"))
+    if not is_run and not (run / "resolved.yaml").is_file():
+        return missing_config_problem("--path", path)
+    if not exports:
+        where = " or ".join(str(run / e) for e in REWARD_EXPORTS)
+        return (
+            f"--path={path}: a run directory, not a model export, and no reward model was "
+            f"exported in it ({where})"
+        )
+    return (
+        f"--path={path}: a run directory, not a model export; give its reward model: "
+        f"--path={' or --path='.join(map(str, exports))}"
+    )
+
+
+def _is_reward_model(export: Path) -> bool:
+    from rlhf.validate import read_model_config
+
+    if not (export / "config.json").is_file():
+        return False
+    config_json = read_model_config("--path", str(export)) or {}
+    return any(
+        a.endswith("ForSequenceClassification") for a in config_json.get("architectures") or []
+    )
 
 
 class PooledScore(torch.nn.Module):

@@ -69,7 +69,7 @@ class ModelToCheck:
     path: str
     kind: str  # CAUSAL | VALUE | REWARD
     model: ModelConfig | None  # tokenizer, trust_remote_code; None: no tokenizer check
-    need: str = ""  # CAUSAL: what the step needs instead of a reward model, for messages
+    need: str = ""  # what the key needs instead (REWARD: PPO's reward model by default)
 
 
 def models_to_check(config: Config) -> list[ModelToCheck]:
@@ -156,10 +156,13 @@ def causal_lm_as_reward_problem(check: ModelToCheck, config_json: dict[str, Any]
     architectures = config_json.get("architectures") or []
     if not architectures or not all(a.endswith("ForCausalLM") for a in architectures):
         return None
+    need = check.need or (
+        "PPO scores answers with it: give the reward step's export (RUN/reward/model), or set "
+        "ppo.reward_function for a rule-based reward"
+    )
     return (
         f"{check.key}={check.path}: a causal LM ({architectures[0]} in its config.json), not a "
-        "reward model; PPO scores answers with it: give the reward step's export "
-        "(RUN/reward/model), or set ppo.reward_function for a rule-based reward"
+        f"reward model; {need}"
     )
 
 

@@ -89,10 +89,62 @@ def test_a_classifier_of_two_labels_is_refused_in_one_line(tmp_path, capsys):
     capsys.readouterr()  # save_pretrained's progress bar, when no earlier test turned it off
     assert main(["reward", "--path", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: --path {path}: a classifier of 2 labels; a reward model has one"
+    assert err == f"error: --path={path}: a classifier of 2 labels; a reward model has one"
 
 
 def test_a_bad_override_is_one_line(capsys):
     assert main(["reward", "--path", str(REPO), "data=nope"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: data=nope: no such option") and "hh-rlhf" in line
+
+
+def _causal_lm(path: Path) -> Path:
+    """A tiny OPT causal LM, as an SFT export is (its config has num_labels 2: HF's default)."""
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    from rlhf.assets import TINY_TOKENIZER_DIR
+
+    config = OPTConfig(
+        vocab_size=1280, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2
+    )
+    OPTForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR).save_pretrained(path)
+    return path
+
+
+def _refused(path: Path, capsys) -> str:
+    capsys.readouterr()
+    assert main(["reward", "--path", str(path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_an_sft_export_is_said_to_be_a_causal_lm(tmp_path, capsys):
+    """It was called a classifier of 2 labels; PPO's check of its reward model says what it is."""
+    path = _causal_lm(tmp_path / "sft" / "model")
+    assert _refused(path, capsys) == (
+        f"error: --path={path}: a causal LM (OPTForCausalLM in its config.json), not a reward "
+        "model; rlhf.evaluate reward scores answers with it: give a reward export "
+        "(RUN/reward/model)"
+    )
+
+
+def test_a_run_dir_names_its_reward_model(tmp_path, capsys):
+    """It was a transformers traceback (no config.json there)."""
+    run = tmp_path / "run"
+    _causal_lm(run / "sft" / "model")
+    _classifier(run / "reward" / "model", labels=1)
+    (run / ".hydra").mkdir()
+    assert _refused(run, capsys) == (
+        f"error: --path={run}: a run directory, not a model export; give its reward model: "
+        f"--path={run / 'reward' / 'model'}"
+    )
+
+
+def test_a_run_dir_without_a_reward_model_says_so(tmp_path, capsys):
+    run = tmp_path / "sft-run"
+    _causal_lm(run / "model")
+    assert _refused(run, capsys) == (
+        f"error: --path={run}: a run directory, not a model export, and no reward model was "
+        f"exported in it ({run / 'reward' / 'model'} or {run / 'model'})"
+    )
