@@ -5,8 +5,8 @@
     python -m rlhf.compare RUN --columns 'eval/*,perf/*'                  # step=all: its steps
 
 A sweep dir expands to its job dirs and a step=all run dir to its sft/reward/ppo sub-runs.
-Writes ``summary.md``, ``summary.csv`` and one ``<metric>.png`` per metric into ``--out``
-(default ./compare) and prints the table.
+Writes ``summary.md``, ``summary.csv`` and one ``<metric>.png`` per metric into the folder
+``--out`` (default ./compare; those files are replaced, others left alone) and prints the table.
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         paths = sweep_summary.expand([Path(d) for d in args.dirs])
-    except FileNotFoundError as err:
+        out = out_dir(args.out)
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     records = sweep_summary.load_records(paths)
     columns = _split(args.columns) or None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     markdown = sweep_summary.to_markdown(records, columns)
     (out / "summary.md").write_text(markdown)
     sweep_summary.write_csv(records, out / "summary.csv")
@@ -50,6 +49,26 @@ def main(argv: list[str] | None = None) -> int:
         path = plot_metric(records, metric, out)
         print(f"{metric}: {path}" if path else f"{metric}: no run logged it", file=sys.stderr)
     return 0
+
+
+def out_dir(value: str) -> Path:
+    """--out, made if missing. It is a folder: the files compare writes there (summary.md,
+    summary.csv, <metric>.png) are replaced, others are left as they are; a file of that name
+    is not overwritten."""
+    out = Path(value)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"--out={value}: that is a file; --out is a folder for summary.md, summary.csv and "
+            "the plots (made if missing): give another --out"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PermissionError(
+            f"--out={value}: cannot make the folder ({err.strerror}: {err.filename}); give "
+            "another --out"
+        ) from None
+    return out
 
 
 def plot_metric(records: list[RunRecord], metric: str, out_dir: Path) -> Path | None:
@@ -123,7 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated summary keys or patterns for the table, e.g. 'eval/*,perf/*' "
         "(default: the headline metrics)",
     )
-    p.add_argument("--out", default="compare", help="output folder (default: ./compare)")
+    p.add_argument(
+        "--out",
+        default="compare",
+        help="output folder, made if missing; its summary.md, summary.csv and plots are "
+        "replaced (default: ./compare)",
+    )
     return p
 
 

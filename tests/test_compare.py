@@ -175,6 +175,34 @@ def test_command_line(runs, tmp_path):
     assert missing.returncode == 2 and "not a run or sweep directory" in missing.stderr
 
 
+def test_an_out_that_is_a_file_is_one_line_and_left_as_it_is(runs, tmp_path):
+    """It was a FileExistsError traceback."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.compare", str(runs["a"]), "--out", str(notes)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: --out={notes}: that is a file; --out is a folder for summary.md, summary.csv "
+        "and the plots (made if missing): give another --out"
+    )
+    assert notes.read_text() == "mine\n"
+
+
+def test_an_out_folder_gets_compares_files_replaced_and_keeps_the_rest(runs, tmp_path):
+    out = tmp_path / "out"
+    assert compare.main([str(runs["a"]), str(runs["b"]), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine\n")
+    assert compare.main([str(runs["a"]), "--out", str(out)]) == 0
+    assert "| b |" not in (out / "summary.md").read_text()  # this comparison's table
+    assert (out / "notes.txt").read_text() == "mine\n"
+
+
 def test_an_algorithm_sweep_compares_ppo_and_dpo_in_the_same_last_step_columns(tmp_path):
     """step=all jobs of sft -> reward -> ppo and sft -> dpo: last/ holds each pipeline's own
     step, so one column compares them; the launcher's summary_metrics pick the columns."""
