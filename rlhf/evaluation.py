@@ -35,6 +35,7 @@ from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
 from rlhf.rl.models import Models, max_new_tokens
 from rlhf.rl.rollouts import ModuleDecoder
+from rlhf.tasks.faults import grade_answer, grade_warning
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ def checkable_rows(eval_rows, limit: int) -> list[dict]:
 
 
 def grade(row: dict, answer: str) -> tasks.Grade:
-    """The verdict of the row's task on ``answer``."""
-    return tasks.resolve(row["task"]).grade(row["prompt"], answer)
+    """The verdict of the row's task on ``answer`` (wrong, with its error, where grade raised)."""
+    return grade_answer(tasks.resolve(row["task"]), row["prompt"], answer)
 
 
 def row_environment(rows: list[dict]) -> tasks.Task | None:
@@ -80,23 +81,29 @@ def answer_decoder(cfg: Config, engine, tokenizer, eot: int, rows: list[dict]):
 
 
 def gold_sums(grades: list[tasks.Grade]) -> list[float]:
-    """[answers, passed, correct, clean] of some graded answers (summed over ranks by callers)."""
+    """[answers, passed, correct, clean, errors] of some graded answers (summed over ranks by
+    callers); the grades that raised warned in one line."""
+    if warning := grade_warning(grades):
+        log.warning("%s", warning)
     return [
         len(grades),
         sum(g.passed for g in grades),
         sum(g.correct for g in grades),
         sum(g.clean for g in grades),
+        sum(g.error is not None for g in grades),
     ]
 
 
 def gold_metrics(sums: list[float], suffix: str = "") -> dict[str, float]:
-    """eval/gold_accuracy{suffix} and its halves from all ranks' :func:`gold_sums`."""
-    answers, passed, correct, clean = all_reduce_sum(*sums)
+    """eval/gold_accuracy{suffix} and its halves from all ranks' :func:`gold_sums`, and the
+    share of answers whose grade raised (eval/grade_errors{suffix})."""
+    answers, passed, correct, clean, errors = all_reduce_sum(*sums)
     answers = max(answers, 1.0)
     return {
         f"eval/gold_accuracy{suffix}": passed / answers,
         f"eval/gold_correct{suffix}": correct / answers,
         f"eval/gold_clean{suffix}": clean / answers,
+        f"eval/grade_errors{suffix}": errors / answers,
     }
 
 

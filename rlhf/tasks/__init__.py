@@ -47,6 +47,9 @@ class Grade:
 
     correct: bool
     clean: bool = True
+    # why the answer was graded wrong without a verdict: the task's grade raised
+    # (rlhf.tasks.faults.grade_answer); counted in eval/grade_errors
+    error: str | None = field(default=None, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -60,7 +63,9 @@ class Task(Protocol):
     are optional."""
 
     name: str
-    version: int  # bump when the rows change: tokenised data is cached under it
+    # part of the tokenised data's cache key, beside a hash of the rows themselves: an edit of
+    # rows() is tokenised again with or without a bump (docs/data.md)
+    version: int
 
     def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
         """``num_rows`` rows of ``split`` ("train" | "test"): prompt, chosen, rejected (and
@@ -68,7 +73,8 @@ class Task(Protocol):
         ...
 
     def grade(self, prompt: str, response: str) -> Grade:
-        """The verdict on ``response`` to ``prompt``; never raises."""
+        """The verdict on ``response`` to ``prompt``; should never raise (one that raises grades
+        the answer wrong, counted in eval/grade_errors)."""
         ...
 
 
