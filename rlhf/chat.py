@@ -83,7 +83,8 @@ class Chat:
             raise tasks.TaskError(f"{env_name} has no step(episode, turn): not an environment")
         end = self._end_ids()[0] if len(self._end_ids()) == 1 else self.tokenizer.eos_token_id
         decoder = ModuleDecoder(self.model, self.tokenizer.pad_token_id, end, synced=False)
-        bounds = MultiTurnConfig(max_turns=max_turns)
+        # each answer is warned of its environment's faults: a person reads them, no bound
+        bounds = MultiTurnConfig(max_turns=max_turns, max_failed_rollouts=0)
         return EpisodeRollouts(
             decoder, env, self.tokenizer, bounds, self.max_new_tokens, end, synced=False
         )
@@ -154,6 +155,8 @@ def cut_at_stop(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf.config import ConfigError
+
     args = _parser().parse_args(argv)
     if problem := model_problem(Path(args.path)):
         print(f"error: {problem}", file=sys.stderr)
@@ -191,8 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         if question == "clear":
             chat.reset()
             continue
-        if question:
-            print(f"Assistant: {chat.reply(question)}", flush=True)
+        if not question:
+            continue
+        try:
+            answer = chat.reply(question)
+        except ConfigError as err:  # --env's step returned what no episode can take
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"Assistant: {answer}", flush=True)
     return 0
 
 

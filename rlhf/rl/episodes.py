@@ -11,11 +11,15 @@ mask covers it, the response (action) mask only the model's tokens, so every los
 whitening moment and metric leaves the observations out and the estimators pass through them
 (rlhf.algos: the outcome reward at the last model token reaches every earlier turn, GAE
 bootstraps across an observation to the next model token).
+
+The environment is a user's code: its calls are made by rlhf.rl.env_calls (a time limit, a
+stop signal never held up), a call that fails ends its episode at score 0 (``env_error``), a
+rollout's failures are one warning, and rollouts that fail whole stop the run after
+``ppo.multi_turn.max_failed_rollouts``; a Step of the wrong kind stops it at once.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -26,14 +30,15 @@ from rlhf import tasks
 from rlhf.config import ConfigError, MultiTurnConfig
 from rlhf.data.collate import left_pad
 from rlhf.dist import all_reduce_sum, gather_lists, max_over_ranks
+from rlhf.rl.env_calls import EnvCalls, FailedRollouts
 from rlhf.rl.generation import Rollout, Sampling
-
-log = logging.getLogger(__name__)
+from rlhf.tasks.faults import check_step
 
 
 class EpisodeRecord(NamedTuple):
     """Per episode of a multi-turn rollout, (B,) each: ``env_reward`` the environment's rewards
-    summed; ``env_error`` True where ``step`` raised (the episode ended there, its score is 0);
+    summed; ``env_error`` True where an environment call failed (``reset`` or ``step`` raised,
+    timed out or was not made: the episode ended there, its score is 0);
     ``turns`` the model's turns; ``obs_truncated`` observations cut to the token bound;
     ``metrics`` the environment's Step.metrics summed over the episode, by name."""
 
@@ -45,8 +50,8 @@ class EpisodeRecord(NamedTuple):
 
 
 def episode_scores(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """(B,) a rollout's scores with its environment's rewards added and 0 where ``step``
-    raised; single-turn rollouts' unchanged."""
+    """(B,) a rollout's scores with its environment's rewards added and 0 where an environment
+    call failed; single-turn rollouts' unchanged."""
     record = rollout.episodes
     if record is None:
         return scores
@@ -67,7 +72,8 @@ class _Episode:
     live: bool = True
     ended: bool = False  # the model ended it (end-of-text) or the environment said done
     env_reward: float = 0.0
-    env_error: bool = False
+    fault: str | None = None  # why an environment call failed (the episode ended there)
+    called: bool = False  # the environment was called (reset or step)
     turns: int = 0
     obs_truncated: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
@@ -79,6 +85,28 @@ class _Episode:
 
     def finish(self, ended: bool) -> None:
         self.live, self.ended = False, ended
+
+    def fail(self, fault: str) -> None:
+        """An environment call failed: the episode ends here, its score 0."""
+        self.fault = fault
+        self.finish(ended=True)
+
+
+CHARS_PER_TOKEN = 16  # more than any tokenizer's average on text: a prefix this long holds
+CUT_MARGIN = 8  # tokens past the room: a cut a few tokens after the kept ones changes none
+
+
+def observation_ids(tokenizer, text: str, room: int) -> tuple[list[int], bool]:
+    """The first ``room`` token ids of ``text`` (tokenised alone), and whether it had more.
+    Only a prefix of a long text is tokenised (a tool's megabytes would cost more than the
+    turn), one long enough to hold more than ``room`` tokens: the ids kept are those of the
+    whole text, which is tokenised only where a prefix holds too few tokens."""
+    chars = (room + CUT_MARGIN) * CHARS_PER_TOKEN
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens=False)
+        if chars >= len(text) or len(ids) > room + CUT_MARGIN:
+            return ids[:room], len(ids) > room
+        chars *= 8  # characters longer than a token each: a longer prefix
 
 
 def turn_length(ids: list[int], end_id: int, stops: tuple[tuple[int, ...], ...]) -> int:
@@ -116,6 +144,8 @@ class EpisodeRollouts:
             for stop in tasks.turn_stops(env)
         )
         self.pad_id = tokenizer.pad_token_id
+        self.calls = EnvCalls(bounds.env_timeout_s)
+        self.failed = FailedRollouts(env.name, bounds.max_failed_rollouts)
 
     def sync(self) -> None:
         self.decoder.sync()
@@ -135,25 +165,42 @@ class EpisodeRollouts:
         logprobs_temperature: float | None = None,
     ) -> Rollout:
         """``group_size`` episodes from each prompt, in contiguous rows, as one Rollout (see
-        the module's docstring); ``seed`` seeds each turn's generation (turn t: its own seed)."""
-        episodes = [self._start(list(p)) for p in prompts for _ in range(group_size)]
-        turn = 0
-        while self._any_live(episodes):
-            live = [e for e in episodes if e.live]
-            turn_seed = None if seed is None else seed + 104_729 * turn
-            if live:
-                self._play_turn(live, sampling, turn, turn_seed, logprobs_temperature)
-            else:  # keep this rank's part in the other ranks' collective generate
-                self.decoder.generate([episodes[0].prompt_ids], replace(sampling, max_new_tokens=1))
-            turn += 1
+        the module's docstring); ``seed`` seeds each turn's generation (turn t: its own seed).
+        The environment's faults are warned in one line, and counted towards
+        ``max_failed_rollouts`` (a collective: every rank calls this as often)."""
+        with self.calls.watching():
+            episodes = [self._start(list(p)) for p in prompts for _ in range(group_size)]
+            turn = 0
+            while self._any_live(episodes):
+                live = [e for e in episodes if e.live]
+                turn_seed = None if seed is None else seed + 104_729 * turn
+                if live:
+                    self._play_turn(live, sampling, turn, turn_seed, logprobs_temperature)
+                else:  # keep this rank's part in the other ranks' collective generate
+                    one_token = replace(sampling, max_new_tokens=1)
+                    self.decoder.generate([episodes[0].prompt_ids], one_token)
+                if self.calls.stopping:  # a stop signal: end the rollout, the loop stops
+                    for episode in (e for e in episodes if e.live):
+                        episode.fail(self.calls.stop_fault)
+                turn += 1
+        faults = [e.fault for e in episodes if e.fault is not None]
+        reached = sum(e.called for e in episodes)
+        self.failed.add(faults, len(episodes), reached, self.calls.stopping)
         return self._rollout(episodes, sampling, logprobs_temperature is not None)
 
     def _start(self, prompt_ids: list[int]) -> _Episode:
-        view = tasks.Episode(self.tokenizer.decode(prompt_ids, skip_special_tokens=True))
+        episode = _Episode(prompt_ids, tasks.Episode(self._text(prompt_ids)))
         reset = getattr(self.env, "reset", None)
         if callable(reset):
-            view.state = reset(view.prompt)
-        return _Episode(prompt_ids, view)
+            episode.called = True
+            state, fault = self.calls.call("reset", reset, episode.view.prompt)
+            if fault is not None:
+                episode.fail(fault)
+            episode.view.state = state
+        return episode
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _any_live(self, episodes: list[_Episode]) -> bool:
         live = any(e.live for e in episodes)
@@ -201,26 +248,14 @@ class EpisodeRollouts:
         if not (by_model or stopped):  # cut at its token bound: no complete turn to answer
             episode.finish(ended=False)
             return
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        try:
-            result = self.env.step(episode.view, text)
-        except Exception as err:  # a user's environment may fail in any way
-            log.warning(
-                "environment %s: step raised %s: %s (episode ended, reward 0)",
-                self.env.name,
-                type(err).__name__,
-                err,
-            )
-            episode.view.turns.append(text)
-            episode.env_error = True
-            episode.finish(ended=True)
-            return
-        if not isinstance(result, tasks.Step):
-            raise ConfigError(
-                f"environment {self.env.name}: step returned {type(result).__name__}; it must "
-                "return rlhf.tasks.Step(observation: str, reward: float | None, done: bool)"
-            )
+        text = self._text(ids)
+        episode.called = True
+        result, fault = self.calls.call("step", self.env.step, episode.view, text)
         episode.view.turns.append(text)
+        if fault is not None:
+            episode.fail(fault)
+            return
+        result = check_step(self.env, result)
         episode.env_reward += float(result.reward or 0.0)
         for name, value in result.metrics.items():
             episode.metrics[name] = episode.metrics.get(name, 0.0) + float(value)
@@ -237,11 +272,9 @@ class EpisodeRollouts:
         if len(episode.ids) >= self.budget:  # no room for another turn: cut here
             episode.finish(ended=False)
             return
-        ids = self.tokenizer.encode(observation, add_special_tokens=False)
         room = min(self.bounds.max_observation_tokens, self.budget - len(episode.ids) - 1)
-        if len(ids) > room:
-            episode.obs_truncated += 1
-            ids = ids[:room]
+        ids, cut = observation_ids(self.tokenizer, observation, room)
+        episode.obs_truncated += cut
         episode.view.observations.append(self.tokenizer.decode(ids))
         episode.append(ids, False, [0.0] * len(ids))
         if len(episode.ids) >= self.budget:
@@ -270,7 +303,7 @@ class EpisodeRollouts:
         names = sorted({name for e in episodes for name in e.metrics})
         record = EpisodeRecord(
             env_reward=torch.tensor([e.env_reward for e in episodes]),
-            env_error=torch.tensor([e.env_error for e in episodes]),
+            env_error=torch.tensor([e.fault is not None for e in episodes]),
             turns=torch.tensor([e.turns for e in episodes]),
             obs_truncated=torch.tensor([e.obs_truncated for e in episodes]),
             metrics={
