@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import DataConfig, SourceConfig
-from rlhf.data import pipeline
+from rlhf.data import pipeline, sources
 from rlhf.data.pipeline import phase_dataset
-from rlhf.tasks import toy
+from rlhf.tasks import Grade, toy
 
 NUM_ROWS = 300
 
@@ -153,6 +154,66 @@ def test_a_new_toy_generator_is_tokenised_again(tmp_path, tokenizer, builds, mon
     phase_dataset(data, "reward", "train", tokenizer, eot)
     assert len(builds) == 2
     assert len(_dirs(tmp_path / "cache")) == 2
+
+
+class Editable:
+    """A user's task whose prompts a test rewords, its version left as it was."""
+
+    name, version = "editable", 1
+    wording = "What is"
+
+    def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
+        return [
+            {
+                "prompt": f"\n\nHuman: {self.wording} item {i}?\n\nAssistant:",
+                "chosen": f" Item {i}.",
+                "rejected": " No idea.",
+            }
+            for i in range(num_rows)
+        ]
+
+    def grade(self, prompt: str, response: str) -> Grade:
+        return Grade(True)
+
+
+EDITABLE = Editable()
+
+
+@pytest.fixture
+def fresh_hashes():
+    """Each run is a new process: no rows' hash remembered from another test's."""
+    sources._rows_hash.cache_clear()
+    yield
+    sources._rows_hash.cache_clear()
+
+
+def test_rows_edited_without_a_version_bump_are_tokenised_again(
+    tmp_path, tokenizer, builds, monkeypatch, fresh_hashes
+):
+    name = "tests.test_data_cache:EDITABLE"
+    source = SourceConfig(
+        adapter="task", task=name, num_rows=200, train_split="train", eval_split="test"
+    )
+    data = DataConfig(sources={"editable": source}, max_seq_len=64, max_prompt_len=32,
+                      seed=1234, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    eot = tokenizer.eos_token_id
+    old = phase_dataset(data, "ppo", "train", tokenizer, eot)
+    phase_dataset(data, "ppo", "train", tokenizer, eot)
+    assert len(builds) == 1  # the same rows: the entry is reused
+
+    monkeypatch.setattr(tasks.resolve(name), "wording", "Tell me about")  # version still 1
+    sources._rows_hash.cache_clear()  # the next run: a new process
+    new = phase_dataset(data, "ppo", "train", tokenizer, eot)
+    assert len(builds) == 2
+    assert all("What is" in p for p in old["prompt"])
+    assert all("Tell me about" in p for p in new["prompt"])
+
+
+def test_rows_from_files_are_not_hashed(tmp_path, pairs_file, monkeypatch):
+    """A file's rows are keyed on its stamp: nothing generates or hashes them."""
+    monkeypatch.setattr(sources, "_rows_hash", None)  # calling it would fail
+    data = _data(pairs_file, tmp_path / "cache")
+    assert sources.generated_rows_hash(data.sources["local"], "train") is None
 
 
 def test_phases_and_splits_are_disjoint(tmp_path, pairs_file, tokenizer):

@@ -9,10 +9,11 @@ separately, because PPO generates after the prompt's own tokens and the reward m
 that same split.
 
 The cache lives under ``data.cache_dir`` only, never beside a user's data. Rank 0 computes its
-key (the local files' stamps included) and sends it to the other ranks, so every rank reads the
-entry rank 0 built. Each entry keeps the lines its build logged (rows read, skipped and kept per
-source and split, where the eval rows came from, warnings about the data), and a run that finds
-the entry logs them again: every run's log says what its data is.
+key (the local files' stamps and a hash of the rows a task generates included) and sends it to
+the other ranks, so every rank reads the entry rank 0 built. Each entry keeps the lines its
+build logged (rows read, skipped and kept per source and split, where the eval rows came from,
+warnings about the data), and a run that finds the entry logs them again: every run's log says
+what its data is.
 
 Bad data fails here, before any model is built, with a :class:`SourceError` (exit status 2):
 a source that gives a phase no usable rows, and (``data.overlong_prompts=error``) a prompt
@@ -39,6 +40,7 @@ from rlhf.data.sources import (
     SourceError,
     describe,
     eval_origin,
+    generated_rows_hash,
     load_source,
     source_task,
 )
@@ -112,12 +114,14 @@ def _raise_on_every_rank(failure: ConfigError | None) -> None:
 
 def cache_key(data: DataConfig, phase: str, split: str, tokenizer, end_of_text_id: int) -> str:
     # what each source's rows come from: a local file (its size and mtime) or, for a task that
-    # generates them, the version of its generator
+    # generates them, the version of its generator and a hash of the rows it generates (a
+    # version left as it was after an edit of rows() would otherwise serve the old rows)
     sources = {
         name: {
             **dataclasses.asdict(src),
             "file": _file_stamp(src.path),
             "generator": generator_version(src),
+            "rows": generated_rows_hash(src, split),
         }
         for name, src in data.sources.items()
     }

@@ -61,11 +61,13 @@ dataset that cannot be reached is one line naming the key and the value.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import datasets
@@ -526,9 +528,31 @@ def source_task(source: Any) -> str | None:
 
 def _task_split(source: Any, name: str) -> datasets.Dataset:
     """Rows a task generates: ``num_rows`` for train, a tenth of that for the test split."""
-    size = source.num_rows if name == source.train_split else max(source.num_rows // 10, 1)
     task = tasks.resolve(source_task(source))
-    return datasets.Dataset.from_list(task.rows(name, size, source.seed, source.num_ranked))
+    rows = task.rows(name, _task_size(source, name), source.seed, source.num_ranked)
+    return datasets.Dataset.from_list(rows)
+
+
+def _task_size(source: Any, name: str) -> int:
+    return source.num_rows if name == source.train_split else max(source.num_rows // 10, 1)
+
+
+def generated_rows_hash(source: Any, split: str) -> str | None:
+    """A hash of the rows a task generates for ``split`` ("train" | "eval"); None for rows read
+    from files or the hub. The tokenised cache is keyed on it: a task whose rows() was edited
+    without a bump of its version is tokenised again, not served its old rows."""
+    if source.adapter not in GENERATED:
+        return None
+    name = _split_name(source, split)
+    size = _task_size(source, name)
+    return _rows_hash(source_task(source), name, size, source.seed, source.num_ranked)
+
+
+@lru_cache(maxsize=64)  # a run asks for each split's key in several phases
+def _rows_hash(task: str, name: str, size: int, seed: int, num_ranked: int) -> str:
+    rows = tasks.resolve(task).rows(name, size, seed, num_ranked)
+    text = json.dumps(rows, sort_keys=True, default=repr)  # repr: values JSON has no form for
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _hub_split(source: Any, name: str, key: str) -> datasets.Dataset:
@@ -591,8 +615,7 @@ def carves(source: Any) -> bool:
 def _raw_split(source: Any, split: str, seed: int, key: str) -> datasets.Dataset:
     """The raw rows of ``split`` ("train" | "eval"): loaded, carved, capped."""
     carve = carves(source)
-    eval_name = source.eval_split or own_eval_split(source)
-    name = source.train_split if split == "train" or carve else eval_name
+    name = _split_name(source, split)
     if split == "eval" and source.eval_path is not None:
         data = _one_table(local.open_copy(source.eval_path, f"source {describe(source)}"))
     elif source.adapter in GENERATED:
@@ -609,6 +632,14 @@ def _raw_split(source: Any, split: str, seed: int, key: str) -> datasets.Dataset
     if source.num_rows > 0 and source.adapter not in GENERATED:
         data = data.select(range(min(source.num_rows, len(data))), keep_in_memory=True)
     return data
+
+
+def _split_name(source: Any, split: str) -> str | None:
+    """The split of ``source`` that ``split`` ("train" | "eval") reads: the train split, or the
+    eval split (the train split where the eval rows are carved out of it)."""
+    if split == "train" or carves(source):
+        return source.train_split
+    return source.eval_split or own_eval_split(source)
 
 
 def _column_plan(columns: dict[str, str], present: Sequence[str]) -> dict[str, str]:
