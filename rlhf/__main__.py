@@ -7,6 +7,7 @@ and only rank 0 writes logs, metrics and exports.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -36,7 +37,6 @@ from rlhf.validate import (
     fit_lengths,
     positions,
     raise_problems,
-    resume_problem,
     validated,
 )
 
@@ -94,7 +94,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             steps = {name: _step_config(c, produced, known) for name, c in composed.items()}
         for step_config in [config] if steps is None else [c for c, _ in steps.values()]:
             check_launch(step_config)
-        _check_before_writing(config, steps, info_dir, shared)
+        _check_before_writing(config, steps)
     except ConfigError as err:
         _fail(err)
     for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
@@ -113,10 +113,9 @@ def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Co
     return config, _resolved(cfg)
 
 
-def _check_before_writing(config: Config, steps: dict | None, run_dir: Path, shared: dict) -> None:
-    """pipeline.share_dir outside step=all, and resume=auto into a run directory another
-    config's checkpoints are in (step=all: each step's own directory, a shared step's in
-    pipeline.share_dir)."""
+def _check_before_writing(config: Config, steps: dict | None) -> None:
+    """pipeline.share_dir outside step=all, or a file. (Whether the run may resume is decided
+    once the run dir's lock is held: _choose_checkpoints.)"""
     if steps is None and config.pipeline.share_dir is not None:
         raise ConfigError(
             f"pipeline.share_dir={config.pipeline.share_dir!r}: only step=all reads it "
@@ -129,19 +128,37 @@ def _check_before_writing(config: Config, steps: dict | None, run_dir: Path, sha
             f"pipeline.share_dir={share_dir!r}: that is a file; expected a directory (it is "
             "made if missing)"
         )
+
+
+def _choose_checkpoints(config: Config, steps: dict | None, run_dir: Path, shared: dict) -> None:
+    """Collective, with the run dir's lock held, before any model is built: refuse a resume
+    that must not happen (another config's checkpoints, another number of ranks, none intact;
+    rank 0 reads, every rank answers alike), then choose and verify the checkpoint each step
+    in this run dir resumes (every rank verifies its share; rlhf.resume). A step of step=all
+    that is complete is skipped, not resumed; a shared step (pipeline.share_dir) is chosen
+    under its own lock when its turn comes."""
+    from rlhf import resume
+    from rlhf.dist import from_main, is_main
+
     if steps is None:
-        runs = [(config, run_dir, ())]
-    else:  # a complete step is skipped, not resumed; a shared one resumes whatever later steps set
+        runs = [(config, run_dir, (), False)]
+    else:
         from rlhf.steps.all import is_complete
 
         runs = [
-            (c, shared[n], NOT_READ_BY[n]) if n in shared else (c, run_dir / n, ())
+            (c, shared[n], NOT_READ_BY[n], True) if n in shared else (c, run_dir / n, (), False)
             for n, (c, _) in steps.items()
         ]
-        runs = [(c, d, unread) for (c, d, unread), n in zip(runs, steps) if not is_complete(d, n)]
-    for step_config, step_dir, unread in runs:
-        problem = resume_problem(step_config, step_dir, unread)
-        raise_problems([problem] if problem else [], "resume")
+        done = from_main([is_complete(d, n) for (_, d, _, _), n in zip(runs, steps)])
+        runs = [run for run, complete in zip(runs, done) if not complete]
+    problems = [
+        resume.resume_problem(d, c.resume, dataclasses.asdict(c), unread)
+        for c, d, unread, _ in runs
+    ]
+    raise_problems([p for p in from_main(problems if is_main() else None) if p], "resume")
+    for step_config, step_dir, _, is_shared in runs:
+        if not is_shared:
+            resume.choose(step_dir, step_config.resume)
 
 
 HYDRA_SUBDIR = ".hydra"
@@ -193,6 +210,7 @@ def run_step(
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
         with _sole_run(run_dir, config):
+            _choose_checkpoints(config, steps, run_dir, shared or {})
             record()
             if steps is not None:
                 summary = pipeline.run(steps, info, shared)
@@ -217,12 +235,12 @@ RUN_LOCK = ".run.lock"  # in the run dir, held by a run's rank 0 from start to e
 def _sole_run(run_dir: Path, config: Config) -> Iterator[None]:
     """One run at a time in a run dir: a second one would resume from, prune and overwrite the
     first's checkpoints and exports under its own config."""
-    from rlhf import dist
+    from rlhf import locks
 
     try:
-        with dist.sole_user(run_dir / RUN_LOCK):
+        with locks.sole_user(run_dir / RUN_LOCK):
             yield
-    except dist.DirInUse as held:
+    except locks.DirInUse as held:
         key = "run_dir" if config.run_dir else "hydra.run.dir"
         raise ConfigError(
             f"{key}={run_dir}: another run is using it ({held}); wait for it to end or choose "

@@ -2,9 +2,8 @@
 the loops need (sums, max, min over ranks, rank 0's object). Every helper also works without a
 process group (one process, as in unit tests).
 
-Also: the ranks of an ``srun`` step (SLURM's tasks become torch.distributed's ranks), the check
-that every rank sees the same run directory, a lock that lets one job at a time work in a
-directory other jobs share, and one that refuses a second run in a run directory."""
+Also: the ranks of an ``srun`` step (SLURM's tasks become torch.distributed's ranks) and the
+check that every rank sees the same run directory (the locks on it: rlhf.locks)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -295,84 +293,3 @@ def _sees(path: Path, text: str, patience_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
-
-
-# --- one job at a time in a shared directory ------------------------------------------------------
-
-
-@contextmanager
-def exclusive(lock_file: Path, what: str, poll_s: float = 2.0) -> Iterator[None]:
-    """Collective. Hold ``lock_file`` (an OS file lock, taken by rank 0) while the block runs,
-    so the jobs that share a directory do ``what`` one at a time. A killed holder's lock goes
-    with its process: the next job takes over. The other ranks wait for rank 0 by polling, with
-    no collective timeout, since the holder may work for hours."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(lock_file)) if is_main() else None
-    holder = lock_file.with_name(lock_file.name + ".holder")  # who has it, for the others' log
-    waited = False
-    while True:
-        held = False
-        if lock is not None:
-            try:
-                held = lock.acquire(timeout=0) is not None
-            except Timeout:
-                held = False
-        if from_main(held):
-            break
-        if not waited and is_main():
-            who = holder.read_text().strip() if holder.is_file() else "another job"
-            log.info("waiting for %s to finish %s (lock: %s)", who, what, lock_file)
-        waited = True
-        time.sleep(poll_s)
-    if lock is not None:
-        holder.write_text(_holder_line() + "\n")
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-class DirInUse(RuntimeError):
-    """Another live process holds the run directory's lock."""
-
-
-@contextmanager
-def sole_user(lock_file: Path) -> Iterator[None]:
-    """Collective. Hold ``lock_file`` (an OS file lock, taken by rank 0) while the block runs,
-    or raise DirInUse on every rank, saying who holds it. A killed holder's lock goes with its
-    process, so its run dir is taken over; a file system without locks is not guarded."""
-    from filelock import FileLock, Timeout
-
-    lock, held, who = None, True, ""
-    holder = lock_file.with_name(lock_file.name + ".holder")
-    if is_main():
-        lock_file.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(lock_file))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            held, lock = False, None
-            who = holder.read_text().strip() if holder.is_file() else "another process"
-        except OSError as err:  # no locks on this file system (some NFS mounts)
-            log.warning("%s: no file locks here (%s); a second run is not refused", lock_file, err)
-            lock = None
-        else:
-            holder.write_text(_holder_line() + "\n")
-    held, who = from_main((held, who))
-    if not held:
-        raise DirInUse(who)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _holder_line() -> str:
-    """Who holds a lock: host, pid, since when and the SLURM job."""
-    job = os.environ.get("SLURM_JOB_ID")
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
-    where = f"pid {os.getpid()} on host {socket.gethostname()} since {since}"
-    return where + (f" (SLURM job {job})" if job else "")

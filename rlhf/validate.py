@@ -13,8 +13,8 @@ load here (in the local cache, or the hub answers), not for its contents. The ti
 (``path: null``) is built from its tokenizer, so it always matches.
 
 What a config would otherwise do silently is caught here too: unknown keys added with ``+``,
-offload where DeepSpeed ignores it, a run directory whose checkpoint another config made
-(``resume_problem``), a stale DeepSpeed build lock, W&B online without a key; and lengths past the model's positions are cut to fit
+offload where DeepSpeed ignores it, a stale DeepSpeed build lock, W&B online without a key; and
+lengths past the model's positions are cut to fit
 (``fit_lengths``), with a line saying so.
 
 The ``*_problem`` functions are pure: they take what was read and return a message or None.
@@ -22,7 +22,6 @@ The ``*_problem`` functions are pure: they take what was read and return a messa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -814,14 +813,6 @@ def launch_problems(config: Config) -> list[str]:
         out.append(cpu_adam_lock_problem(f"{offloaded[0]}zero.offload"))
     out.append(wandb_problem(config.logger))
     return [p for p in out if p]
-
-
-def resume_problem(config: Config, run_dir: Path, unread: tuple[str, ...] = ()) -> str | None:
-    """resume=auto in a run directory whose newest checkpoint another config made (``unread``:
-    sections the step does not read)."""
-    from rlhf.checkpoint import resume_problem as differs
-
-    return differs(run_dir, config.resume, dataclasses.asdict(config), unread)
 
 
 def raise_problems(problems: list[str], header: str) -> None:

@@ -13,9 +13,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
-    ("rlhf.config", "rlhf.roles", "rlhf.dist", "rlhf.files", "rlhf.paths"),
+    ("rlhf.config", "rlhf.roles", "rlhf.dist", "rlhf.locks", "rlhf.files", "rlhf.paths"),
     ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks", "rlhf.reward_metrics"),
-    ("rlhf.engine", "rlhf.checkpoint", "rlhf.tracking", "rlhf.models", "rlhf.assets"),
+    (
+        "rlhf.engine",
+        "rlhf.checkpoint",
+        "rlhf.manifest",
+        "rlhf.resume",
+        "rlhf.tracking",
+        "rlhf.models",
+        "rlhf.assets",
+    ),
     ("rlhf.data",),
     ("rlhf.rl",),
     ("rlhf.evaluation",),

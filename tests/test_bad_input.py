@@ -543,10 +543,11 @@ def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
     made_under = dataclasses.asdict(preflight.validated(compose(overrides)))
     step = run_dir / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
-    (step / "config.json").write_text(json.dumps(made_under))
-    from rlhf.checkpoint import write_manifest
+    from rlhf.manifest import Part
 
-    write_manifest(step)  # as a checkpoint's last file
+    part = Part(step)
+    part.write_text(step / "config.json", json.dumps(made_under))
+    part.write(0, 1)  # as a checkpoint's last file
     (run_dir / ".hydra").mkdir()
     (run_dir / ".hydra" / "config.yaml").write_text("the other run's config\n")
     return step
@@ -573,29 +574,29 @@ def test_resuming_a_run_made_under_another_config_is_refused(tmp_path, cache_dir
 
 
 def test_what_a_resumed_run_may_change():
-    from rlhf import checkpoint
+    from rlhf import resume
 
     saved = {"optim": {"lr": 0.001}, "step": {"log_interval": 10}, "ppo": {"eval_samples": 4}}
     same = {"optim": {"lr": 0.001}, "step": {"log_interval": 1}, "ppo": {"eval_samples": 8}}
-    assert checkpoint.config_differences(saved, same) == []
+    assert resume.config_differences(saved, same) == []
     other = {**same, "optim": {"lr": 0.01}, "seed": 7}
-    assert checkpoint.config_differences(saved, other) == [
+    assert resume.config_differences(saved, other) == [
         "optim.lr: 0.001 there, 0.01 here",
         "seed: '(absent)' there, 7 here",
     ]
     # a checkpoint written before actor.twin_path became actor.reference_path still resumes
     renamed = {"actor": {"twin_path": "/ref"}}
-    assert checkpoint.config_differences(renamed, {"actor": {"reference_path": "/ref"}}) == []
+    assert resume.config_differences(renamed, {"actor": {"reference_path": "/ref"}}) == []
 
 
 def test_resume_force_continues_whatever_the_config(tmp_path):
-    from rlhf import checkpoint
+    from rlhf import resume
 
     _checkpoint_of(tmp_path, ["step=sft", "optim.lr=0.002"])
     current = {"optim": {"lr": 0.001}}
-    assert checkpoint.resume_problem(tmp_path, "auto", current)
-    assert checkpoint.resume_problem(tmp_path, "force", current) is None
-    assert checkpoint.resume_point(tmp_path, "force") == tmp_path / "checkpoints" / "step-00000002"
+    assert resume.resume_problem(tmp_path, "auto", current)
+    assert resume.resume_problem(tmp_path, "force", current) is None
+    assert resume.resume_point(tmp_path, "force") == tmp_path / "checkpoints" / "step-00000002"
 
 
 def test_offload_at_zero_stage_0_is_refused(tmp_path, cache_dir):
@@ -908,11 +909,14 @@ def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path, full_d
 
 def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
     from rlhf import checkpoint, files
+    from rlhf.manifest import Part
 
     previous = tmp_path / "checkpoints" / "step-00000001"
     previous.mkdir(parents=True)
     (previous / "trainer.pt").write_bytes(b"x" * 5000)
-    checkpoint.write_manifest(previous)
+    part = Part(previous)
+    part.add(previous / "trainer.pt")
+    part.write(0, 1)
 
     def short_write(*args, **kwargs):  # what torch's zip writer raises on a full disk
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")

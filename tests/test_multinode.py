@@ -126,8 +126,8 @@ def test_a_run_dir_per_node_is_refused_before_any_work(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhf.dist import exclusive
-with exclusive(Path(sys.argv[1]), "the test's step", poll_s=0.1):
+from rlhf.locks import exclusive
+with exclusive(Path(sys.argv[1]), "the test's step", wait_s=600, poll_s=0.1):
     print("holding", flush=True)
     time.sleep(300)
 """

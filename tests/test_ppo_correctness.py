@@ -493,11 +493,14 @@ def test_the_entropy_graph_is_built_only_when_it_is_trained(entropy_coef, monkey
 def test_a_checkpoint_holds_the_recipes_own_files(tmp_path):
     from rlhf import checkpoint
 
-    def write(directory: Path) -> None:
+    def write(directory: Path) -> list[Path]:
         (directory / "ema-rank0.pt").write_text("slice")
+        return [directory / "ema-rank0.pt"]
 
     final = checkpoint.save(tmp_path, 3, {}, {"state": {}}, keep=2, write_files=write)
     assert (final / "ema-rank0.pt").read_text() == "slice"
+    manifest = json.loads((final / "manifest-rank00000.json").read_text())
+    assert manifest["files"]["ema-rank0.pt"]["size"] == len("slice")  # hashed as written
     assert "ema" not in torch.load(final / "trainer.pt", weights_only=True)
 
 

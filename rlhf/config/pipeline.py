@@ -33,7 +33,17 @@ class PipelineConfig:
     # sweep that agree on them train them once and start from the same models (sweeps/algos.yaml)
     share_dir: str | None = None
 
+    # how long (seconds) a job waits for another job of the sweep that is training a shared
+    # step before it gives up (exit 2); it says whom it waits for when it starts and every 10
+    # minutes. A killed holder releases the step at once (on a file system without flock,
+    # after its heartbeat stops: 2 minutes)
+    share_wait_s: float = 86400.0
+
     def problems(self) -> list[tuple[str, Any, str]]:
-        if tuple(self.steps) in PIPELINES:
-            return []
-        return [("steps", list(self.steps), " or ".join(f"[{', '.join(p)}]" for p in PIPELINES))]
+        out = []
+        if tuple(self.steps) not in PIPELINES:
+            accepted = " or ".join(f"[{', '.join(p)}]" for p in PIPELINES)
+            out.append(("steps", list(self.steps), accepted))
+        if not self.share_wait_s > 0:
+            out.append(("share_wait_s", self.share_wait_s, "a number of seconds > 0"))
+        return out

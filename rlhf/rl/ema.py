@@ -60,9 +60,12 @@ class EMA:
                 state[name] = whole[: math.prod(self.shapes[name])].view(self.shapes[name])
         return state
 
-    def save(self, directory: Path) -> None:
-        """This rank's slices to ``directory/ema-rank{r}.pt`` (every rank calls it)."""
-        torch.save(self.shards, Path(directory) / f"ema-rank{rank()}.pt")
+    def save(self, directory: Path) -> list[Path]:
+        """This rank's slices to ``directory/ema-rank{r}.pt`` (every rank calls it); the file
+        written, for the checkpoint's manifest."""
+        path = Path(directory) / f"ema-rank{rank()}.pt"
+        torch.save(self.shards, path)
+        return [path]
 
     def load(self, directory: Path) -> None:
         """This rank's slices from a checkpoint written by :meth:`save`."""

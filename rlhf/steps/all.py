@@ -28,9 +28,10 @@ from pathlib import Path
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.checkpoint import flat, resumable
 from rlhf.config import NOT_READ_BY, Config
-from rlhf.dist import exclusive, is_main
+from rlhf.dist import from_main, is_main
+from rlhf.locks import exclusive
+from rlhf.resume import flat, resumable
 from rlhf.roles import share_command_line
 from rlhf.steps import dpo, ppo, report, reward, sft
 from rlhf.steps.loop import RunInfo
@@ -155,10 +156,11 @@ def run(
         step_dir = step_dirs[step] = (shared or {}).get(step, info.run_dir / step)
         if step_dir != info.run_dir / step:
             _link(info.run_dir / step, step_dir)
-        with _one_job_at_a_time(step_dir, step, step in (shared or {})):
-            if is_complete(step_dir, step):
+        wait_s = config.pipeline.share_wait_s
+        with _one_job_at_a_time(step_dir, step, step in (shared or {}), wait_s):
+            if from_main(is_complete(step_dir, step)):  # rank 0's view decides for every rank
                 log.info("step=all: %s is complete in %s, skipping it", step, step_dir)
-                result = json.loads((step_dir / "summary.json").read_text())
+                result = from_main(_written_summary(step_dir))
                 skipped.add(step)
             else:
                 log.info("step=all: running %s in %s", step, step_dir)
@@ -195,13 +197,15 @@ def _written_summary(step_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if is_main() and path.exists() else None
 
 
-def _one_job_at_a_time(step_dir: Path, step: str, shared: bool) -> AbstractContextManager:
+def _one_job_at_a_time(
+    step_dir: Path, step: str, shared: bool, wait_s: float
+) -> AbstractContextManager:
     """A shared step is trained by one job while the others sharing it wait (the jobs of a
     SLURM sweep run at once), then found complete; a killed holder's lock is released."""
     if not shared:
         return nullcontext()
     step_dir.mkdir(parents=True, exist_ok=True)
-    return exclusive(step_dir / ".lock", f"{step} in {step_dir}")
+    return exclusive(step_dir / ".lock", f"{step} in {step_dir}", wait_s)
 
 
 def _link(link: Path, step_dir: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import checkpoint
+from rlhf import checkpoint, resume
 from rlhf.config import Config, ConfigError
 from rlhf.dist import all_ranks, is_main, max_over_ranks, rank
 from rlhf.tracking import Throughput, Tracker, peak_memory_gb
@@ -184,7 +184,7 @@ class Run:
         self.total_steps, self.window_keys, self.shown = total_steps, window, shown
         self.started = time.perf_counter() if started is None else started
         self.eval_seconds = 0.0
-        resume_from = checkpoint.resume_point(info.run_dir, cfg.resume)
+        resume_from = resume.resume_point(info.run_dir, cfg.resume)
         self.resumed_from: Path | None = resume_from  # the checkpoint directory, if any
         self.trainer = checkpoint.load(resume_from, engines) if resume_from else None
         resumed = self.trainer or {}
@@ -202,8 +202,9 @@ class Run:
         )
         self.guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, *engines.values())
         self.extra_state: Callable[[], dict[str, Any]] = dict  # the recipe's own, for checkpoints
-        # the recipe's own files in a checkpoint (every rank; called with its directory)
-        self.extra_files: Callable[[Path], None] | None = None
+        # the recipe's own files in a checkpoint (every rank; called with its directory, returns
+        # the files it wrote)
+        self.extra_files: Callable[[Path], list[Path]] | None = None
         self._stop: StopRequest | None = None
         self._bar: tqdm | None = None
 

@@ -1,0 +1,276 @@
+"""Which checkpoint a run resumes from, decided once for every rank, and whether it may.
+
+At resume rank 0 lists the newest complete checkpoints (every part of the manifest there:
+rlhf.manifest), every rank verifies its share of one's files, and every rank resumes the one
+they verified together; a damaged one is skipped, with a warning naming it, for the next. This
+is decided before any model is built (:func:`choose`, called by the entry point once the run
+dir's lock is held) and kept for the run's loop (:func:`resume_point`).
+
+``resume=auto`` continues only a run of the same config (:func:`resume_problem` lists what
+differs, from the checkpoint's ``config.json``), so a command pointed at someone else's run
+directory does not train on and overwrite that run; ``resume=force`` continues anyway (and takes
+a checkpoint written before manifests existed, unverified); ``resume=never`` starts over and
+says what of the earlier run it removes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rlhf.checkpoint import CONFIG_FILE, CheckpointError, checkpoint_dir, step_dirs
+from rlhf.config import RENAMED_KEYS
+from rlhf.dist import barrier, from_main, gather_lists, is_main, rank, world_size
+from rlhf.files import dir_size
+from rlhf.manifest import (
+    ManifestProblem,
+    has_manifest,
+    incomplete,
+    listed,
+    mismatch,
+    part_name,
+    share,
+)
+
+log = logging.getLogger(__name__)
+
+# what a resumed run may change: where files go, how often it logs, evaluates and checkpoints,
+# what its evaluations sample, injected faults, the resume mode ("ppo.eval_": every ppo.eval_*)
+RESUMABLE = (
+    "logger",
+    "debug",
+    "resume",
+    "run_dir",
+    "cache_dir",
+    "device",
+    "data.cache_dir",
+    "data.max_eval_rows",
+    "step.eval_interval",
+    "step.eval_at_start",
+    "step.log_interval",
+    "step.checkpoint_interval",
+    "step.keep_checkpoints",
+    "step.max_nonfinite_steps",
+    "step.save_model",
+    "sft.gold_eval_prompts",
+    "sft.gen_max_new_tokens",
+    "reward.gold_policy",
+    "reward.gold_eval_prompts",
+    "reward.gen_max_new_tokens",
+    "ppo.eval_",
+    "ppo.logprob_gap_interval",
+)
+
+
+def candidates(run_dir: Path, mode: str) -> tuple[list[Path], dict[Path, str]]:
+    """The checkpoints a resume may use, newest first, and why each other one may not: complete
+    ones (every part of their manifest there), and under resume=force those that have no
+    manifest (written before checkpoints had one; resumed unverified). Reads manifests only."""
+    usable, why = [], {}
+    for path in reversed(step_dirs(run_dir)):
+        if not has_manifest(path):
+            if mode == "force":
+                usable.append(path)
+            else:
+                why[path] = "no manifest (written before checkpoints had one, or incomplete)"
+        elif (problem := incomplete(path)) is not None:
+            why[path] = problem
+        else:
+            usable.append(path)
+    return usable, why
+
+
+_CHOSEN: dict[tuple[Path, str], Path | None] = {}  # choose()'s answers, for the run's loop
+
+
+def choose(run_dir: Path, mode: str) -> Path | None:
+    """Collective. The checkpoint every rank resumes from (None: start afresh): rank 0 lists the
+    candidates, every rank verifies its share of each one's files, newest first, and the first
+    that every rank verified is the answer on every rank. resume=never: None, and rank 0 says
+    what of an earlier run it removes. Decided once a process for each run dir."""
+    key = (Path(run_dir).absolute(), mode)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if mode == "never":
+        if is_main():
+            _say_what_is_replaced(run_dir)
+        chosen = None
+    else:
+        chosen = _verified(run_dir, mode)
+    _CHOSEN[key] = chosen
+    return chosen
+
+
+def _verified(run_dir: Path, mode: str) -> Path | None:
+    usable, why = from_main(candidates(run_dir, mode) if is_main() else None)
+    for path, problem in why.items():
+        _warn_skipped(path, problem)
+    for path in usable:
+        if not has_manifest(path):
+            if is_main():
+                log.warning(
+                    "checkpoint %s has no manifest (written before checkpoints had one): "
+                    "resuming from it unverified (resume=force)",
+                    path,
+                )
+            return path
+        started = time.perf_counter()
+        problems = [p for p in gather_lists([_my_share_problem(path)]) if p]
+        if not problems:
+            if is_main():
+                seconds = time.perf_counter() - started
+                log.info(
+                    "checkpoint %s verified by %d rank(s) in %.1f s", path, world_size(), seconds
+                )
+            return path
+        _warn_skipped(path, problems[0])
+        why[path] = problems[0]
+    if why:
+        raise CheckpointError(_no_checkpoint(run_dir, mode, why))
+    return None
+
+
+def _my_share_problem(path: Path) -> str | None:
+    try:
+        files = listed(path)
+    except ManifestProblem as problem:  # this rank sees less than rank 0 did
+        return f"rank {rank()}: {problem}"
+    return mismatch(path, share(files, rank(), world_size()), files)
+
+
+def _warn_skipped(path: Path, problem: str) -> None:
+    if is_main() and path not in _WARNED:
+        _WARNED.add(path)
+        log.warning("checkpoint %s skipped: %s", path, problem)
+
+
+_WARNED: set[Path] = set()
+
+
+def _no_checkpoint(run_dir: Path, mode: str, why: dict[Path, str]) -> str:
+    newest, problem = max(why.items())
+    names = ", ".join(p.name for p in sorted(why))
+    force = "" if mode == "force" else "; resume=force resumes one without a manifest unverified"
+    return (
+        f"resume={mode}: no intact checkpoint in {checkpoint_dir(run_dir)} ({names}; "
+        f"{newest.name}: {problem}){force}; resume=never starts over (deleting them)"
+    )
+
+
+def _say_what_is_replaced(run_dir: Path) -> None:
+    """resume=never in a run dir that holds an earlier run: one line saying what goes."""
+    steps = step_dirs(run_dir)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    rows = sum(1 for _ in metrics.open()) if metrics.is_file() else 0
+    exports = [n for n in EXPORT_DIRS if (Path(run_dir) / n / "config.json").is_file()]
+    parts = []
+    if steps:
+        size = sum(dir_size(p) for p in steps) / 2**30
+        parts.append(
+            f"deletes its {len(steps)} checkpoint(s) up to {steps[-1].name} ({size:.1f} GiB)"
+        )
+    if rows:
+        parts.append(f"starts metrics.jsonl over ({rows} rows)")
+    if exports:
+        parts.append(f"replaces {', '.join(e + '/' for e in exports)} when it exports")
+    if parts:
+        log.warning("resume=never in %s, which holds an earlier run: %s", run_dir, "; ".join(parts))
+
+
+# the exports a run dir may hold (a step's model/, PPO's actor/, critic/ and actor_ema/)
+EXPORT_DIRS = ("model", "actor", "critic", "actor_ema")
+
+
+def resume_point(run_dir: Path, mode: str) -> Path | None:
+    """Collective. The checkpoint to resume from (:func:`choose`), or None: then an earlier run's
+    checkpoints in this run dir are removed, so that pruning and a later resume see this run's
+    only."""
+    path = choose(run_dir, mode)
+    _CHOSEN.pop((Path(run_dir).absolute(), mode), None)  # a later run in this process decides anew
+    if path is None:
+        if is_main():
+            shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)
+        barrier()
+    return path
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The config a checkpoint was made under (None: it predates config.json)."""
+    file = Path(path) / CONFIG_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(flat(value, f"{prefix}{key}."))
+    return out
+
+
+def resumable(key: str) -> bool:
+    return any(key == k or key.startswith(k if k.endswith("_") else k + ".") for k in RESUMABLE)
+
+
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], unread: tuple[str, ...] = ()
+) -> list[str]:
+    """'key: A there, B here' for each key that matters (not in RESUMABLE nor in a section the
+    step does not read, ``unread``) and differs. A key renamed since the checkpoint was written
+    is compared under its new name."""
+    there = {RENAMED_KEYS.get(k, k): v for k, v in flat(saved).items()}
+    here = flat(json.loads(json.dumps(current, default=str)))
+    absent = "(absent)"
+    return [
+        f"{key}: {there.get(key, absent)!r} there, {here.get(key, absent)!r} here"
+        for key in sorted(set(there) | set(here))
+        if not resumable(key)
+        and key.split(".")[0] not in unread
+        and there.get(key, absent) != here.get(key, absent)
+    ]
+
+
+def resume_problem(
+    run_dir: Path, mode: str, current: dict[str, Any], unread: tuple[str, ...] = ()
+) -> str | None:
+    """Why the run must not resume from ``run_dir`` (None: it may, or there is nothing to
+    resume): no complete checkpoint; the newest was written by another number of ranks; or,
+    under resume=auto, made under another config (``unread``: sections the step does not read,
+    as in config_differences). Reads manifests and config.json only: for rank 0, before any
+    model is built."""
+    if mode == "never":
+        return None
+    usable, why = candidates(run_dir, mode)
+    if not usable:
+        return _no_checkpoint(run_dir, mode, why) if why else None
+    path = usable[0]
+    if (ranks := written_by(path)) not in (None, world_size()):
+        return (
+            f"resume={mode}: {path} was written by {ranks} rank(s) and this run has "
+            f"{world_size()}; resume it with {ranks}, or resume=never to start over (deleting it)"
+        )
+    saved = saved_config(path) if mode == "auto" else None
+    differences = config_differences(saved, current, unread) if saved is not None else []
+    if not differences:
+        return None
+    shown = "; ".join(differences[:6])
+    if len(differences) > 6:
+        shown += f"; {len(differences) - 6} more"
+    return (
+        f"resume=auto: {path} was made under another config ({shown}); run that config, choose "
+        "another hydra.run.dir, resume=never to start over (deleting those checkpoints) or "
+        "resume=force to continue from it with this config"
+    )
+
+
+def written_by(path: Path) -> int | None:
+    """How many ranks wrote the checkpoint at ``path`` (None: its manifest does not say)."""
+    try:
+        return json.loads((Path(path) / part_name(0)).read_text())["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
