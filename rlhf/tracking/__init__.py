@@ -19,6 +19,7 @@ import torch
 from rlhf.config import LoggerConfig
 from rlhf.tracking import lineage
 from rlhf.tracking.tensorboard_run import TensorBoardRun
+from rlhf.tracking.wandb_log import held_history
 from rlhf.tracking.wandb_run import (
     HEADLINE,
     STEP_METRIC,
@@ -106,8 +107,11 @@ class Tracker:
     ):
         """``resume`` (a checkpoint's :meth:`state`) continues the same W&B run and drops the
         rows logged after its checkpoint (by a killed run, or the final evaluation of a run
-        whose export failed), so the resumed run logs each of them once. ``overrides``: what
-        the job changed on the command line (None: Hydra's record of it), W&B's tags."""
+        whose export failed), so the resumed run logs each of them once: metrics.jsonl is cut
+        back to the checkpoint, W&B is not sent the metrics its logs already hold at a step
+        (rlhf.tracking.wandb_log), TensorBoard purges the events after the checkpoint.
+        ``overrides``: what the job changed on the command line (None: Hydra's record of it),
+        W&B's tags."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.job_type = job_type
@@ -116,6 +120,7 @@ class Tracker:
         self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
         self._wandb = self._tensorboard = None
         self._rows: dict[str, int] = {}  # rows in each file of ROW_FILES (rank 0 writes alone)
+        self._held: dict[int, set[str]] = {}  # what W&B holds at each step, from a killed run
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,11 +134,15 @@ class Tracker:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
             run_id = (resume or {}).get("wandb_id")
+            if run_id:
+                self._held = held_history(self.run_dir, run_id, STEP_METRIC)
             self._wandb = start_wandb(
                 self.run_dir, cfg, job_type, run_name, config, group, run_id, overrides
             )
         elif cfg.backend == "tensorboard":
-            self._tensorboard = TensorBoardRun(self.run_dir, job_type, overrides)
+            # a fresh run purges every earlier event in the run dir, as it cuts metrics.jsonl
+            purge_step = resume["step"] + 1 if resume else 0
+            self._tensorboard = TensorBoardRun(self.run_dir, job_type, overrides, purge_step)
 
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` needs to resume this tracker."""
@@ -152,8 +161,8 @@ class Tracker:
         self._jsonl.flush()
         self._rows["metrics.jsonl"] += 1
         self.summary_metrics.update(row)
-        if self._wandb is not None:
-            self._wandb.log({**metrics, STEP_METRIC: step})
+        if self._wandb is not None and (fresh := self._not_held(metrics, step)):
+            self._wandb.log({**fresh, STEP_METRIC: step})
         if self._tensorboard is not None:
             self._tensorboard.log(metrics, step)
 
@@ -166,11 +175,17 @@ class Tracker:
             for values in rows:
                 f.write(json.dumps({"step": step, **dict(zip(columns, values))}) + "\n")
         self._rows[file] = self._rows.get(file, 0) + len(rows)
-        if self._wandb is not None:
+        if self._wandb is not None and self._not_held({name: None}, step):
             import wandb
 
             table = wandb.Table(columns=columns, data=rows)
             self._wandb.log({name: table, STEP_METRIC: step})
+
+    def _not_held(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
+        """``metrics`` less those W&B already holds at ``step`` (logged by the run a resume
+        continues, after its checkpoint: the same values, as the resume is exact)."""
+        held = self._held.get(step, ())
+        return {k: v for k, v in metrics.items() if k not in held}
 
     def summary(self, metrics: dict[str, Any]) -> None:
         self.summary_metrics.update({k: plain(v) for k, v in metrics.items()})

@@ -33,13 +33,22 @@ def hparam_value(text: str) -> str | float | bool:
 
 
 class TensorBoardRun:
-    """A SummaryWriter on ``run_dir/tensorboard`` whose first event is the session start."""
+    """A SummaryWriter on ``run_dir/tensorboard`` whose first event is the session start.
+    ``purge_step``: TensorBoard drops the events an earlier writer in the run dir logged at or
+    after it (a killed run's steps after the checkpoint a resume continues from)."""
 
-    def __init__(self, run_dir: Path, job_type: str, overrides: list[str] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        job_type: str,
+        overrides: list[str] | None = None,
+        purge_step: int | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        log_dir = str(Path(run_dir) / "tensorboard")
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
         changed = changed_keys(job_overrides() if overrides is None else overrides)
         self.hparams = session_hparams(changed, job_type)
         _, session_start, self._session_end = hparams(self.hparams, {})
