@@ -287,9 +287,11 @@ SPLIT = ("generate", "score", "update", "sync", "other")
 
 def check_vllm(s: Setup) -> list[Row]:
     """vLLM rollouts as the PPO loop drives them, in this process: the weight push at OPT-1.3B's
-    shapes in bf16 (--tiny: the tests' 128-wide OPT in fp32 on CPU), a sleep after the rollout
-    (the memory it gives back), the push waking it, and the greedy answers after the wake equal
-    to those before. vLLM's CPU build has no sleep mode; without vLLM the check says so."""
+    shapes in bf16 (--tiny: the tests' 128-wide OPT in fp32 on CPU), then for each sleep level
+    (1 and 2) a sleep after the rollout (the memory it gives back), the push waking it, and the
+    greedy answers after the wake equal to those before. ppo.vllm.sleep_level's default is the
+    deepest level seen to pass here (VERIFIED_SLEEP_LEVEL). vLLM's CPU build has no sleep mode;
+    without vLLM the check says so."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -298,9 +300,7 @@ def check_vllm(s: Setup) -> list[Row]:
     from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
     from rlhf.assets import TINY_TOKENIZER_DIR
-    from rlhf.rl.generation import Sampling
     from rlhf.rl.vllm_engine import EngineSpec, VLLMEngine, kv_cache_bytes
-    from rlhf.rl.weight_sync import hf_weights
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     shape = (
@@ -317,52 +317,74 @@ def check_vllm(s: Setup) -> list[Row]:
     if not s.tiny:
         model = model.to(device="cuda", dtype=torch.bfloat16)
     cache = kv_cache_bytes(config, dtype, rows, prompt + answer)
-    spec = EngineSpec(dtype, prompt + answer, cache, gpu_memory_utilization=0.5, sleep_level=2)
-    engine = VLLMEngine(model, spec)
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, len(tokenizer), (rows, prompt), generator=generator).tolist()
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    out = []
+    for level in (1, 2):
+        spec = EngineSpec(
+            dtype, prompt + answer, cache, gpu_memory_utilization=0.5, sleep_level=level
+        )
+        rows_run, freed_gb = _sleep_round_trip(
+            VLLMEngine(model, spec), model, prompts, answer, tokenizer
+        )
+        out += [*rows_run, _freed_row(freed_gb, level, weights_gb, cache)]
+    return out
+
+
+def _sleep_round_trip(engine, model, prompts, answer: int, tokenizer) -> tuple[list, float | None]:
+    """Push, a greedy rollout, sleep, the push that wakes the engine, the same rollout again:
+    the rows (runs, answers equal) and what the sleep freed, in GiB (None off a GPU)."""
+    from rlhf.rl.generation import Sampling
+    from rlhf.rl.weight_sync import hf_weights
+
     greedy = Sampling(max_new_tokens=answer, greedy=True, stop_at_eos=False)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    level = engine.spec.sleep_level
     try:
         push_s = engine.push(hf_weights(model, zero_stage=0))
         started = time.perf_counter()
         before = engine.generate(prompts, pad, eos, greedy)
-        tokens_per_s = rows * answer / (time.perf_counter() - started)
+        tokens_per_s = len(prompts) * answer / (time.perf_counter() - started)
         free = torch.cuda.mem_get_info()[0] if engine.on_gpu else 0
         engine.sleep()
-        freed_gb = (torch.cuda.mem_get_info()[0] - free) / 2**30 if engine.on_gpu else 0.0
+        freed_gb = (torch.cuda.mem_get_info()[0] - free) / 2**30 if engine.on_gpu else None
         woken_s = engine.push(hf_weights(model, zero_stage=0))
         after = engine.generate(prompts, pad, eos, greedy)
     finally:
         engine.close()
-    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    expected_free = 0.9 * (weights_gb + cache / 2**30)
     same = torch.equal(before.sequences, after.sequences)
-    rows_out = [
+    shape = f"{engine.spec.dtype}, {len(prompts)} x {len(prompts[0])} + {answer}"
+    return [
         Row(
-            f"vLLM push + greedy rollout ({dtype}, {rows} x {prompt} + {answer})",
-            f"push {push_s:.3f} s, {tokens_per_s:.0f} answer tokens/s, "
-            f"KV cache {cache / 2**30:.2f} GiB",
+            f"vLLM push + greedy rollout ({shape})",
+            f"push {push_s:.3f} s, {tokens_per_s:.0f} answer tokens/s",
             "runs",
             True,
         ),
         Row(
-            "vLLM answers after sleep + push",
+            f"vLLM answers after sleep level {level} + wake + push",
             f"equal to those before: {same} (push after the wake {woken_s:.3f} s)",
             "equal",
             same,
         ),
-    ]
-    if engine.on_gpu:
-        rows_out.append(
-            Row(
-                "vLLM sleep (level 2) frees",
-                f"{freed_gb:.2f} GiB (weights {weights_gb:.2f} + KV {cache / 2**30:.2f})",
-                f">= {expected_free:.2f} GiB",
-                freed_gb >= expected_free,
-            )
+    ], freed_gb
+
+
+def _freed_row(freed_gb: float | None, level: int, weights_gb: float, cache: int) -> Row:
+    """What sleeping at ``level`` freed against what it should (level 1 the KV cache, level 2
+    the weights too), or a note that this engine does not sleep."""
+    expected = 0.9 * (cache / 2**30 + (weights_gb if level == 2 else 0.0))
+    if freed_gb is None:
+        return Row(
+            f"vLLM sleep (level {level}) frees", "not run: no GPU (no sleep mode)", "-", True
         )
-    return rows_out
+    return Row(
+        f"vLLM sleep (level {level}) frees",
+        f"{freed_gb:.2f} GiB (weights {weights_gb:.2f} + KV {cache / 2**30:.2f})",
+        f">= {expected:.2f} GiB",
+        freed_gb >= expected,
+    )
 
 
 def random_opt(shape: dict, out: Path, reward: bool = False) -> Path:
