@@ -14,6 +14,7 @@ import pytest
 from transformers import LlamaConfig, OPTConfig, OPTForCausalLM
 
 from rlhf.config import register_configs, to_config
+from rlhf.config.vllm import VERIFIED_SLEEP_LEVEL
 from rlhf.rl.generation import Sampling
 from rlhf.rl.rollouts import engine_spec, parameter_bytes
 from rlhf.rl.vllm_engine import (
@@ -84,17 +85,18 @@ def test_the_engine_is_sized_from_the_runs_rollout_batch_and_lengths():
         "ppo.max_new_tokens=160",
     )
     assert small.kv_cache_bytes == kv_cache_bytes(actor.config, "fp32", 64, 256)
-    assert spec.sleep_level == 2  # the default: sleeping, weights dropped
+    # the default: sleeping at the level the GPU check has verified (the KV cache freed)
+    assert spec.sleep_level == VERIFIED_SLEEP_LEVEL == 1
     assert parameter_bytes(actor, "bf16") == 2 * sum(p.numel() for p in actor.parameters())
 
 
 def test_keys_override_the_sizes_and_the_sleep():
     spec, _ = _spec(
-        "ppo.vllm.kv_cache_gb=0.5", "ppo.vllm.gpu_memory_utilization=0.6", "ppo.vllm.sleep_level=1"
+        "ppo.vllm.kv_cache_gb=0.5", "ppo.vllm.gpu_memory_utilization=0.6", "ppo.vllm.sleep_level=2"
     )
     assert spec.kv_cache_bytes == GiB // 2
     assert spec.gpu_memory_utilization == 0.6
-    assert spec.sleep_level == 1
+    assert spec.sleep_level == 2
     assert _spec("ppo.vllm.sleep=false")[0].sleep_level == 0
 
 
