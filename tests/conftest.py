@@ -112,6 +112,29 @@ def assert_contains(expected, actual, where: str) -> None:
 
 
 @pytest.fixture(scope="session")
+def noflock(tmp_path_factory) -> Path:
+    """benchmarks/noflock.c built: with LD_PRELOAD=it and NOFLOCK_UNDER=DIR, every flock() and
+    fcntl() lock on a file under DIR fails (NOFLOCK_ERRNO, default ENOSYS), as on Lustre
+    without -o flock or NFSv3 without lockd."""
+    shim = tmp_path_factory.mktemp("noflock") / "noflock.so"
+    source = REPO / "benchmarks" / "noflock.c"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", shim, source, "-ldl"], check=True)
+    return shim
+
+
+def noflock_env(shim: Path, root: Path, errno_name: str = "ENOSYS") -> dict[str, str]:
+    """The environment of a process whose locks under ``root`` fail with ``errno_name``."""
+    import errno
+
+    number = getattr(errno, errno_name)
+    return {
+        "LD_PRELOAD": str(shim),
+        "NOFLOCK_UNDER": str(root.resolve()),
+        "NOFLOCK_ERRNO": str(number),
+    }
+
+
+@pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One cache (built tiny models, tokenised data) for the whole session, outside ~/.cache."""
     return tmp_path_factory.mktemp("rlhf-cache")

@@ -10,11 +10,20 @@ import subprocess
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import (
+    FAST,
+    REPO,
+    cache_overrides,
+    noflock_env,
+    read_metrics,
+    read_summary,
+    run_rlhf,
+)
 from tests.scale_out import ONE_THREAD, command, env, run, slurm_cluster
 
 __all__ = ["slurm_cluster"]  # a fixture
@@ -110,6 +119,82 @@ def test_a_job_at_its_time_limit_requeues_and_resumes_to_the_same_metrics(
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 31))
     assert _comparable(rows) == _comparable(read_metrics(reference))
     assert _summary(job_dir) == _summary(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_scontrol_requeue_on_a_file_system_without_locks_resumes_each_step_once(
+    slurm_cluster, tmp_path, cache_dir, job_name, noflock
+):
+    """An administrator's ``scontrol requeue`` (as after a node failure) of a job whose sweep
+    dir is on a file system where flock fails with ENOSYS (Lustre without -o flock), logging
+    to W&B offline: SLURM stops the job (SIGTERM: a checkpoint), requeues it under the same
+    id, and the requeued run takes over its own lock and resumes. The rows equal an
+    uninterrupted run's, W&B's log holds each step once, the lock warned and nothing failed."""
+    from rlhf.tracking.wandb_log import history_rows
+
+    root = tmp_path / "no-flock"
+    root.mkdir()
+    sweep_dir = root / "sweep"
+    small = [*FAST, "step.log_interval=1", "step.eval_interval=10", *cache_overrides(cache_dir)]
+    reference = _reference(tmp_path, ["step=sft", "step.max_steps=20", *small])
+    argv = [
+        *command("slurm_preempted")[:4],  # python -m rlhf -m
+        "hydra/launcher=slurm",
+        "step=sft",
+        "step.max_steps=20",
+        "debug.step_sleep_s=1",
+        "logger=wandb",
+        "logger.mode=offline",
+        *small,
+        "hydra.launcher.poll_s=1",
+        f"hydra.launcher.name={job_name}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    release = ReleaseRequeued(job_name)
+    release.start()
+    with open(tmp_path / "sweep.out", "w") as out:
+        sweep = subprocess.Popen(
+            argv, cwd=REPO, env={**env(), **noflock_env(noflock, root)}, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 400
+        while _train_rows(sweep_dir) < 7:  # past the checkpoint at step 5
+            assert sweep.poll() is None and time.monotonic() < deadline, "the job never trained"
+            time.sleep(1)
+        job_id = subprocess.run(
+            ["squeue", "-h", f"--name={job_name}", "-o", "%i"],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.split()[0]  # fmt: skip
+        subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=60)
+        sweep.wait(timeout=500)
+    finally:
+        release.done.set()
+        release.join()
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, (tmp_path / "sweep.out").read_text()[-3000:]
+    [job_dir] = [p for p in sweep_dir.iterdir() if (p / "job.json").is_file()]
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["status"] == "COMPLETED" and record["requeues"] == 1, record
+    output, log = (job_dir / "job.log").read_text(), (job_dir / "__main__.log").read_text()
+    assert "resumed from" in log and "Traceback" not in output
+    assert log.count("cannot lock files (flock: ENOSYS") == 2  # once a run: the run dir's lock
+    rows = read_metrics(job_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 21))
+    assert _comparable(rows) == _comparable(read_metrics(reference))
+    logs = sorted(job_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2  # the requeued run continues the first's W&B run
+    held = Counter(
+        (row["step"], key)
+        for log in logs
+        for row in history_rows(log)
+        for key in row
+        if not key.startswith("_") and key != "step"
+    )
+    assert [pair for pair, n in held.items() if n > 1] == []
+    assert sorted({s for s, k in held if k == "train/loss"}) == list(range(1, 21))
 
 
 def _train_rows(sweep_dir: Path) -> int:

@@ -21,7 +21,7 @@ from rlhf.tools.sweep_summary import HEADLINE as TABLE_HEADLINE
 from rlhf.tracking import Tracker, lineage
 from rlhf.tracking.wandb_run import HEADLINE, STEP_METRIC, changed_keys, run_tags, short_tag
 from rlhf.validate import validated
-from tests.conftest import FAST, cache_overrides, compose, run_rlhf
+from tests.conftest import FAST, cache_overrides, compose, read_metrics, run_rlhf
 
 register_configs()  # the schema Hydra composes against, as the entry point registers it
 
@@ -473,10 +473,10 @@ def test_offline_the_inputs_wait_for_sync_and_declare_inputs_declares_them(tmp_p
     assert declare_inputs.pending_files([tmp_path]) == []
 
 
-def read_records(path: Path):
+def read_records(path: Path, starts: list[int] | None = None):
     """The records of a W&B transaction log (what ``wandb sync`` uploads): a 7-byte header, then
     LevelDB-log blocks of 32 KiB whose chunks (7-byte header: crc, length, type) join into
-    protobuf Records."""
+    protobuf Records. ``starts``: each record's first chunk's offset is appended to it."""
     from wandb.proto import wandb_internal_pb2
 
     data, pos, pending = path.read_bytes(), 7, b""
@@ -486,6 +486,8 @@ def read_records(path: Path):
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if starts is not None and not pending:
+            starts.append(pos)
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or a record's last chunk
@@ -639,3 +641,74 @@ def test_step_all_offline_leaves_the_pipeline_to_sync(tmp_path, cache_dir):
         [log_file] = (run_dir / step).glob("wandb/offline-run-*/run-*.wandb")
         [run] = [r.run for r in read_records(log_file) if r.WhichOneof("record_type") == "run"]
         assert f"step={step}" in run.tags and "data.sources.toy.num_rows=320" in run.tags
+
+
+# --- a resumed run's W&B history: each step once --------------------------------------------
+
+
+def test_a_wandb_that_stops_answering_is_one_warning_and_the_run_goes_on(
+    tmp_path, recorder, caplog
+):
+    """SLURM's requeue or scancel sends SIGTERM to every process of the job, W&B's service
+    among them, while the run goes on to its checkpoint: its next log call fails."""
+    calls, runs = recorder
+    t = tracker(tmp_path, mode="offline")
+    t.log({"train/loss": 1.0}, step=1)
+
+    def lost(row, **options):
+        raise ConnectionResetError("Connection lost")
+
+    runs[0].log = lost
+    with caplog.at_level(logging.WARNING):
+        t.log({"train/loss": 0.9}, step=2)
+        t.log({"train/loss": 0.8}, step=3)
+        t.close()
+    [warning] = [r.message for r in caplog.records if "W&B" in r.message]
+    assert warning.startswith("W&B stopped answering (ConnectionResetError: Connection lost)")
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+    assert of(calls, "finish") == []  # nothing more is asked of the dead service
+    assert t.state(3)["wandb_id"] == "abc123"  # the resumed run continues the same W&B run
+
+
+def test_a_resumed_tracker_sends_wandb_what_its_log_lacks_and_nothing_it_holds(
+    tmp_path, recorder, monkeypatch
+):
+    """Checkpoint at step 3. W&B's log of the killed run holds steps 1-2 and 4 (the service
+    had not written step 3 when the run was killed at 4): step 3 is sent from metrics.jsonl at
+    the start, step 4 is not sent again, step 5 is."""
+    from rlhf import tracking
+
+    calls, _ = recorder
+    rows = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = {1: {"train/loss"}, 2: {"train/loss"}, 4: {"train/loss"}}
+    monkeypatch.setattr(tracking, "held_history", lambda run_dir, run_id, metric: held)
+    resume = {"step": 3, "summary": {}, "wandb_id": "abc123", "rows": {"metrics.jsonl": 3}}
+    cfg = LoggerConfig(backend="wandb", mode="offline")
+    t = Tracker(tmp_path, cfg, "sft", "run", {}, "g", True, resume, [])
+    t.log({"train/loss": 0.25}, step=4)  # recomputed by the exact resume: W&B has it
+    t.log({"train/loss": 0.2}, step=5)
+    sent = [row[STEP_METRIC] for row, _ in of(calls, "log")]
+    assert sent == [3, 5]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_the_transaction_log_reader_stops_at_a_torn_record(tmp_path, real_offline_wandb):
+    """What a SIGKILL mid-write leaves: the last record cut short. The reader gives every whole
+    row before it, as the test's own reader of the format does."""
+    from rlhf.tracking.wandb_log import history_rows
+
+    run_dir = tmp_path / "run"
+    t = tracker(run_dir, mode="offline")
+    for step in range(1, 6):
+        t.log({"train/loss": 1.0 / step}, step=step)
+    t.close()
+    wandb.teardown()
+    [log_file] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    steps = [row["step"] for row in history_rows(log_file)]
+    assert steps == [1, 2, 3, 4, 5]
+    starts: list[int] = []
+    kinds = [r.WhichOneof("record_type") for r in read_records(log_file, starts)]
+    fifth = starts[[i for i, kind in enumerate(kinds) if kind == "history"][4]]
+    log_file.write_bytes(log_file.read_bytes()[: fifth + 12])  # step 5's row, cut short
+    assert [row["step"] for row in history_rows(log_file)] == [1, 2, 3, 4]

@@ -23,6 +23,7 @@ from rlhf.tracking.wandb_log import held_history
 from rlhf.tracking.wandb_run import (
     HEADLINE,
     STEP_METRIC,
+    WandbStream,
     start_wandb,
     wandb_mode,
     wandb_problem,
@@ -109,7 +110,8 @@ class Tracker:
         rows logged after its checkpoint (by a killed run, or the final evaluation of a run
         whose export failed), so the resumed run logs each of them once: metrics.jsonl is cut
         back to the checkpoint, W&B is not sent the metrics its logs already hold at a step
-        (rlhf.tracking.wandb_log), TensorBoard purges the events after the checkpoint.
+        (rlhf.tracking.wandb_log) and is sent those of metrics.jsonl's rows it lacks, TensorBoard
+        purges the events after the checkpoint.
         ``overrides``: what the job changed on the command line (None: Hydra's record of it),
         W&B's tags."""
         self.enabled = enabled
@@ -120,7 +122,6 @@ class Tracker:
         self.summary_metrics: dict[str, Any] = dict((resume or {}).get("summary", {}))
         self._wandb = self._tensorboard = None
         self._rows: dict[str, int] = {}  # rows in each file of ROW_FILES (rank 0 writes alone)
-        self._held: dict[int, set[str]] = {}  # what W&B holds at each step, from a killed run
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,11 +135,13 @@ class Tracker:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if cfg.backend == "wandb":
             run_id = (resume or {}).get("wandb_id")
-            if run_id:
-                self._held = held_history(self.run_dir, run_id, STEP_METRIC)
-            self._wandb = start_wandb(
+            held = held_history(self.run_dir, run_id, STEP_METRIC) if run_id else {}
+            run = start_wandb(
                 self.run_dir, cfg, job_type, run_name, config, group, run_id, overrides
             )
+            self._wandb = WandbStream(run, held)
+            if run_id:
+                self._wandb.backfill(_read_rows(self.run_dir / "metrics.jsonl"))
         elif cfg.backend == "tensorboard":
             # a fresh run purges every earlier event in the run dir, as it cuts metrics.jsonl
             purge_step = resume["step"] + 1 if resume else 0
@@ -161,8 +164,8 @@ class Tracker:
         self._jsonl.flush()
         self._rows["metrics.jsonl"] += 1
         self.summary_metrics.update(row)
-        if self._wandb is not None and (fresh := self._not_held(metrics, step)):
-            self._wandb.log({**fresh, STEP_METRIC: step})
+        if self._wandb is not None:
+            self._wandb.log(metrics, step)
         if self._tensorboard is not None:
             self._tensorboard.log(metrics, step)
 
@@ -175,17 +178,8 @@ class Tracker:
             for values in rows:
                 f.write(json.dumps({"step": step, **dict(zip(columns, values))}) + "\n")
         self._rows[file] = self._rows.get(file, 0) + len(rows)
-        if self._wandb is not None and self._not_held({name: None}, step):
-            import wandb
-
-            table = wandb.Table(columns=columns, data=rows)
-            self._wandb.log({name: table, STEP_METRIC: step})
-
-    def _not_held(self, metrics: dict[str, Any], step: int) -> dict[str, Any]:
-        """``metrics`` less those W&B already holds at ``step`` (logged by the run a resume
-        continues, after its checkpoint: the same values, as the resume is exact)."""
-        held = self._held.get(step, ())
-        return {k: v for k, v in metrics.items() if k not in held}
+        if self._wandb is not None:
+            self._wandb.log_table(name, columns, rows, step)
 
     def summary(self, metrics: dict[str, Any]) -> None:
         self.summary_metrics.update({k: plain(v) for k, v in metrics.items()})
@@ -198,13 +192,15 @@ class Tracker:
         os.replace(tmp, self.run_dir / "summary.json")
         self._jsonl.close()
         if self._wandb is not None:
-            self._wandb.summary.update(self.summary_metrics)
             headline = {k: self.summary_metrics[k] for k in HEADLINE if k in self.summary_metrics}
             metadata = {"run_dir": str(self.run_dir), "step": self.job_type, **headline}
-            lineage.log_exports(
-                self._wandb, self.run_dir, self.job_type, self.log_model, self.started, metadata
-            )
-            self._wandb.finish()
+
+            def exports(run) -> None:
+                lineage.log_exports(
+                    run, self.run_dir, self.job_type, self.log_model, self.started, metadata
+                )
+
+            self._wandb.finish(self.summary_metrics, exports)
         if self._tensorboard is not None:
             self._tensorboard.close(self.summary_metrics)
 
@@ -225,6 +221,10 @@ def plain(value: Any) -> Any:
 
 
 ROW_FILES = ("metrics.jsonl", "eval_samples.jsonl")  # the files a resumed run cuts back
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _truncate(path: Path, step: int, rows: int | None) -> int:

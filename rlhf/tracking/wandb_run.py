@@ -4,6 +4,7 @@ training step, and the exports it starts from declared as inputs (rlhf.tracking.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import netrc
 import os
@@ -204,3 +205,68 @@ def wandb_mode(requested: str) -> str:
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     return "online" if _api_key_known() else "offline"
+
+
+class WandbStream:
+    """The tracker's W&B run. It sends each step's metrics once: not those W&B's log of the run
+    already holds (``held``, from :func:`rlhf.tracking.wandb_log.held_history`: a killed run's
+    steps after its checkpoint, which an exact resume recomputes), and, on resume, the rows of
+    metrics.jsonl it lacks (:meth:`backfill`). When W&B stops answering it warns once and logs
+    on to metrics.jsonl alone: a SIGTERM to every process of a job (SLURM's requeue, scancel,
+    preemption) ends W&B's service while the run goes on to its checkpoint; the next run in
+    the run dir sends what this one could not."""
+
+    def __init__(self, run, held: dict[int, set[str]]):
+        self.run, self.held = run, held
+        self.id = run.id
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        fresh = {k: v for k, v in metrics.items() if k not in self.held.get(step, ())}
+        if fresh:
+            self._call(lambda run: run.log({**fresh, STEP_METRIC: step}))
+            self.held.setdefault(step, set()).update(fresh)
+
+    def backfill(self, rows: list[dict[str, Any]]) -> None:
+        """The rows (metrics.jsonl's, up to the checkpoint) whose metrics W&B lacks: those a
+        run lost W&B before sending, or that its service had not written when it was killed."""
+        for row in rows:
+            self.log({k: v for k, v in row.items() if k != STEP_METRIC}, row[STEP_METRIC])
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        if name in self.held.get(step, ()):
+            return
+        import wandb
+
+        table = wandb.Table(columns=columns, data=rows)
+        self._call(lambda run: run.log({name: table, STEP_METRIC: step}))
+
+    def finish(self, summary: dict[str, Any], exports) -> None:
+        """The summary, the exports as artifacts (``exports(run)``), then the end of the run."""
+        self._call(lambda run: run.summary.update(summary))
+        self._call(exports)
+        self._call(lambda run: run.finish())
+
+    def _call(self, action) -> None:
+        """``action(run)``, unless W&B has stopped answering (then nothing)."""
+        if self.run is None:
+            return
+        try:
+            action(self.run)
+        except Exception as err:  # any failure of W&B's client or service: the run goes on
+            log.warning(
+                "W&B stopped answering (%s: %s); metrics go on to metrics.jsonl, and the run "
+                "that resumes this one sends W&B what it missed",
+                type(err).__name__,
+                err,
+            )
+            self.run = None
+            _forget_service()
+
+
+def _forget_service() -> None:
+    """Drop the connection to W&B's dead service, so that its exit hook (a teardown that would
+    fail with a traceback at exit) is not run."""
+    import wandb
+
+    with contextlib.suppress(Exception):  # its message to the dead service fails; the hook goes
+        wandb.teardown()
