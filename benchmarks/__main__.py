@@ -1,12 +1,12 @@
-"""``python -m benchmarks [rollout | reference | floor] ARGS``, from the repository root: the
-steps bench (benchmarks/steps.py), or the subcommand's bench. ``_trl`` (the TRL columns'
-worker), ``rollout _worker`` and ``floor _worker`` are the benches' own subprocesses."""
+"""``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal] ARGS``, from
+the repository root: the steps bench (benchmarks/steps.py), or the subcommand's bench. ``_trl``
+(the TRL columns' worker) and ``<bench> _worker`` are the benches' own subprocesses."""
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import floor, reference, rollout, steps, trl_runs
+from benchmarks import checkpoints, floor, reference, rehearsal, rollout, steps, trl_runs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -17,6 +17,13 @@ def main(argv: list[str] | None = None) -> dict:
     if argv[:2] == ["floor", "_worker"]:  # a floor run's ranks
         floor.worker(argv[2], argv[3:])
         return {}
+    if argv[:2] == ["checkpoints", "_worker"]:  # a checkpoint bench's ranks
+        checkpoints.worker(argv[2:])
+        return {}
+    if argv[:1] == ["checkpoints"]:  # what the manifest costs a save, verifying it a resume
+        return checkpoints.main(argv[1:])
+    if argv[:1] == ["rehearsal"]:  # kills and resumes on a file system without locks
+        return rehearsal.main(argv[1:])
     if argv[:1] == ["floor"]:  # the PPO iteration against the sum of its parts
         return floor.main(argv[1:])
     if argv[:1] == ["rollout"]:  # vLLM against the transformers path

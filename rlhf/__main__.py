@@ -133,10 +133,10 @@ def _check_before_writing(config: Config, steps: dict | None) -> None:
 def _choose_checkpoints(config: Config, steps: dict | None, run_dir: Path, shared: dict) -> None:
     """Collective, with the run dir's lock held, before any model is built: refuse a resume
     that must not happen (another config's checkpoints, another number of ranks, none intact;
-    rank 0 reads, every rank answers alike), then choose and verify the checkpoint each step
-    in this run dir resumes (every rank verifies its share; rlhf.resume). A step of step=all
-    that is complete is skipped, not resumed; a shared step (pipeline.share_dir) is chosen
-    under its own lock when its turn comes."""
+    rank 0 reads, every rank answers alike), then start choosing the checkpoint each step in
+    this run dir resumes (rlhf.resume: truncated files found now, hashes read while the models
+    are built). A step of step=all that is complete is skipped, not resumed; a shared step
+    (pipeline.share_dir) is chosen under its own lock when its turn comes."""
     from rlhf import resume
     from rlhf.dist import from_main, is_main
 

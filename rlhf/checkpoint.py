@@ -30,7 +30,15 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.dist import all_reduce_sum, barrier, is_main, rank, unshared_dirs, world_size
+from rlhf.dist import (
+    all_reduce_sum,
+    barrier,
+    is_main,
+    max_over_ranks,
+    rank,
+    unshared_dirs,
+    world_size,
+)
 from rlhf.files import dir_size, no_space_message, out_of_space
 from rlhf.manifest import (
     Part,
@@ -157,12 +165,15 @@ def save(
         for old in step_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     [written] = all_reduce_sum(part.bytes())
+    hashing = max_over_ranks(part.hash_seconds)  # what the manifest cost the slowest rank
+    seconds = time.perf_counter() - started
     log.info(
-        "checkpoint: step %d -> %s (%.2f GiB in %.1f s)",
+        "checkpoint: step %d -> %s (%.2f GiB in %.1f s, hashing %.2f s)",
         step,
         final,
         written / 2**30,
-        time.perf_counter() - started,
+        seconds,
+        hashing,
     )
     return final
 

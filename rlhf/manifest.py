@@ -4,8 +4,9 @@ Each rank hashes the files it writes as it writes them (xxh3-128: a checksum aga
 partly copied or damaged files, not against tampering, at several GB/s) and writes its own part
 of the manifest, ``manifest-rankNNNNN.json``; each part names the world size. A checkpoint is
 complete when every part is there, found by opening their names, never by listing a directory
-that another node wrote (network file systems cache listings). Verifying reads each file once,
-the files shared out over the ranks by size, so no rank reads the whole checkpoint.
+that another node wrote (network file systems cache listings). Verifying reads each file once:
+each rank the files it wrote, which are those it loads when it resumes, so no rank reads the
+whole checkpoint, and none reads what its load would not.
 
 Checkpoints written before the parts existed have one ``manifest.json`` (SHA-256) and are
 verified the same way."""
@@ -16,10 +17,11 @@ import io
 import json
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -37,16 +39,19 @@ def is_manifest(name: str) -> bool:
 
 
 class HashingFile(io.RawIOBase):
-    """A file opened for writing whose bytes are hashed on their way to it."""
+    """A file opened for writing whose bytes are hashed on their way to it (``seconds``: the
+    time the hashing took, what the manifest costs a save)."""
 
     def __init__(self, file: io.BufferedWriter):
-        self.file, self.hash, self.size = file, xxhash.xxh3_128(), 0
+        self.file, self.hash, self.size, self.seconds = file, xxhash.xxh3_128(), 0, 0.0
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
+        started = time.perf_counter()
         self.hash.update(data)
+        self.seconds += time.perf_counter() - started
         self.size += len(memoryview(data).cast("B"))
         return self.file.write(data)
 
@@ -57,12 +62,14 @@ class Part:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.files: dict[str, dict[str, Any]] = {}
+        self.hash_seconds = 0.0
 
     def save(self, obj: Any, path: Path, **torch_save_kwargs) -> None:
         """``torch.save(obj, path)``, hashed while written."""
         with open(path, "wb") as f:
             stream = HashingFile(f)
             torch.save(obj, stream, **torch_save_kwargs)
+        self.hash_seconds += stream.seconds
         self._record(path, stream.size, stream.hash.hexdigest())
 
     def write_text(self, path: Path, text: str) -> None:
@@ -72,7 +79,9 @@ class Part:
 
     def add(self, path: Path) -> None:
         """A file this rank has just written by other means (read back from the page cache)."""
+        started = time.perf_counter()
         self._record(path, Path(path).stat().st_size, digest(Path(path), HASH))
+        self.hash_seconds += time.perf_counter() - started
 
     @contextmanager
     def engine_saves(self, engine) -> Iterator[None]:
@@ -140,18 +149,28 @@ class ManifestProblem(Exception):
     """A manifest that is missing, partial or unreadable (the message says which)."""
 
 
-def listed(path: Path) -> dict[str, tuple[int, str, str]]:
-    """Every file the manifest lists: name -> (size, hash algorithm, hash)."""
+class Entry(NamedTuple):
+    """A file as its manifest lists it: size, hash algorithm and hash, and the rank that wrote
+    it (None: a manifest from before the parts)."""
+
+    size: int
+    algorithm: str
+    digest: str
+    writer: int | None
+
+
+def listed(path: Path) -> dict[str, Entry]:
+    """Every file the manifest lists, by its name under ``path``."""
     if (path / LEGACY).is_file():
         files = _read(path / LEGACY)["files"]
-        return {name: (e["size"], "sha256", e["sha256"]) for name, e in files.items()}
+        return {name: Entry(e["size"], "sha256", e["sha256"], None) for name, e in files.items()}
     first = _read(path / part_name(0))
-    world, out = first["world_size"], {}
-    for rank in range(world):
+    out = {}
+    for rank in range(first["world_size"]):
         part = first if rank == 0 else _read(path / part_name(rank))
-        out.update(
-            {n: (e["size"], part["hash"], e[part["hash"]]) for n, e in part["files"].items()}
-        )
+        algorithm = part["hash"]
+        for name, e in part["files"].items():
+            out[name] = Entry(e["size"], algorithm, e[algorithm], rank)
     return out
 
 
@@ -167,29 +186,38 @@ def _read(file: Path) -> dict[str, Any]:
     return body
 
 
-def share(files: dict[str, tuple[int, str, str]], rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` verifies: the largest first, each to the rank with the fewest bytes so
-    far, so every rank reads about as much and the same split comes out on every rank."""
+def share(files: dict[str, Entry], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` verifies: those it wrote, which are the files it loads when it resumes
+    with as many ranks (so verifying reads nothing loading would not, and warms the page cache
+    for it); else (an older manifest) the largest first, each to the rank with the fewest bytes
+    so far. The same split comes out on every rank."""
+    if {e.writer for e in files.values()} == set(range(world_size)):  # every rank wrote a part
+        return sorted(name for name, e in files.items() if e.writer == rank)
     loads = [0] * world_size
     mine = []
-    for name in sorted(files, key=lambda n: (-files[n][0], n)):
+    for name in sorted(files, key=lambda n: (-files[n].size, n)):
         least = loads.index(min(loads))
-        loads[least] += files[name][0]
+        loads[least] += files[name].size
         if least == rank:
             mine.append(name)
     return mine
 
 
-def mismatch(path: Path, names: list[str], files: dict[str, tuple[int, str, str]]) -> str | None:
+def mismatch(
+    path: Path, names: list[str], files: dict[str, Entry], sizes_only: bool = False
+) -> str | None:
     """The first of ``names`` that is missing or differs from what was written (None: all
-    match)."""
+    match); ``sizes_only``: a stat of each, no hashing."""
     for name in names:
-        size, algorithm, hashed = files[name]
+        size, algorithm, hashed, _ = files[name]
         file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, {size} written"
-        if digest(file, algorithm) != hashed:
-            return f"{name} differs from what was written ({algorithm})"
+        try:
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != size:
+                return f"{name} has {file.stat().st_size} bytes, {size} written"
+            if not sizes_only and digest(file, algorithm) != hashed:
+                return f"{name} differs from what was written ({algorithm})"
+        except OSError as err:
+            return f"{name} is unreadable ({err.strerror or err})"
     return None

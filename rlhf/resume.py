@@ -2,9 +2,11 @@
 
 At resume rank 0 lists the newest complete checkpoints (every part of the manifest there:
 rlhf.manifest), every rank verifies its share of one's files, and every rank resumes the one
-they verified together; a damaged one is skipped, with a warning naming it, for the next. This
-is decided before any model is built (:func:`choose`, called by the entry point once the run
-dir's lock is held) and kept for the run's loop (:func:`resume_point`).
+they verified together; a damaged one is skipped, with a warning naming it, for the next. The
+entry point starts this once the run dir's lock is held (:func:`choose`): missing and truncated
+files are found at once, before any model is built; the files' hashes are read in the
+background while the models are built, and the run's loop joins it before it loads anything
+(:func:`resume_point`).
 
 ``resume=auto`` continues only a run of the same config (:func:`resume_problem` lists what
 differs, from the checkpoint's ``config.json``), so a command pointed at someone else's run
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -84,62 +87,95 @@ def candidates(run_dir: Path, mode: str) -> tuple[list[Path], dict[Path, str]]:
     return usable, why
 
 
-_CHOSEN: dict[tuple[Path, str], Path | None] = {}  # choose()'s answers, for the run's loop
+class Verification:
+    """This rank's share of the candidates' files (newest first, up to the first it finds
+    intact), verified in a background thread: started once the run dir's lock is held, it
+    reads while the models are built; :meth:`chosen` joins it and decides with every rank."""
+
+    def __init__(self, run_dir: Path, mode: str, usable: list[Path]):
+        self.run_dir, self.mode, self.usable = run_dir, mode, usable
+        self.problems: dict[Path, str | None] = {}
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._verify, name="verify-checkpoints", daemon=True)
+        self._thread.start()
+
+    def _verify(self) -> None:
+        started = time.perf_counter()
+        for path in self.usable:
+            if not has_manifest(path):
+                break  # resume=force takes it unverified
+            self.problems[path] = _my_share_problem(path)
+            if self.problems[path] is None:
+                break
+        self.seconds = time.perf_counter() - started
+
+    def chosen(self, why: dict[Path, str]) -> Path | None:
+        """Collective. The newest candidate every rank verified (or, under resume=force, one
+        without a manifest), the same on every rank; CheckpointError when none is."""
+        self._thread.join()
+        for path in self.usable:
+            if not has_manifest(path):
+                _warn_unverified(path)
+                return path
+            mine = self.problems[path] if path in self.problems else _my_share_problem(path)
+            problems = [p for p in gather_lists([mine]) if p]
+            if not problems:
+                if is_main():
+                    log.info("checkpoint %s verified in %.1f s", path, self.seconds)
+                return path
+            _warn_skipped(path, problems[0])
+            why[path] = problems[0]
+        if why:
+            raise CheckpointError(_no_checkpoint(self.run_dir, self.mode, why))
+        return None
 
 
-def choose(run_dir: Path, mode: str) -> Path | None:
-    """Collective. The checkpoint every rank resumes from (None: start afresh): rank 0 lists the
-    candidates, every rank verifies its share of each one's files, newest first, and the first
-    that every rank verified is the answer on every rank. resume=never: None, and rank 0 says
-    what of an earlier run it removes. Decided once a process for each run dir."""
+_PENDING: dict[tuple[Path, str], tuple[Verification | None, dict[Path, str]]] = {}
+
+
+def choose(run_dir: Path, mode: str) -> None:
+    """Collective. Start choosing the checkpoint every rank resumes from: rank 0 lists the
+    candidates (refusing at once when there are checkpoints but none complete), and each rank
+    starts verifying its share of their files in the background, while the models are built.
+    resume=never: rank 0 says what of an earlier run it removes. :func:`resume_point` has the
+    answer."""
     key = (Path(run_dir).absolute(), mode)
-    if key in _CHOSEN:
-        return _CHOSEN[key]
+    if key in _PENDING:
+        return
     if mode == "never":
         if is_main():
             _say_what_is_replaced(run_dir)
-        chosen = None
-    else:
-        chosen = _verified(run_dir, mode)
-    _CHOSEN[key] = chosen
-    return chosen
-
-
-def _verified(run_dir: Path, mode: str) -> Path | None:
+        _PENDING[key] = (None, {})
+        return
     usable, why = from_main(candidates(run_dir, mode) if is_main() else None)
+    for path in [p for p in usable if has_manifest(p)]:  # truncated files: found at once
+        problems = [p for p in gather_lists([_my_share_problem(path, sizes_only=True)]) if p]
+        if problems:
+            usable.remove(path)
+            why[path] = problems[0]
     for path, problem in why.items():
         _warn_skipped(path, problem)
-    for path in usable:
-        if not has_manifest(path):
-            if is_main():
-                log.warning(
-                    "checkpoint %s has no manifest (written before checkpoints had one): "
-                    "resuming from it unverified (resume=force)",
-                    path,
-                )
-            return path
-        started = time.perf_counter()
-        problems = [p for p in gather_lists([_my_share_problem(path)]) if p]
-        if not problems:
-            if is_main():
-                seconds = time.perf_counter() - started
-                log.info(
-                    "checkpoint %s verified by %d rank(s) in %.1f s", path, world_size(), seconds
-                )
-            return path
-        _warn_skipped(path, problems[0])
-        why[path] = problems[0]
-    if why:
+    if not usable and why:
         raise CheckpointError(_no_checkpoint(run_dir, mode, why))
-    return None
+    _PENDING[key] = (Verification(run_dir, mode, usable) if usable else None, why)
 
 
-def _my_share_problem(path: Path) -> str | None:
+def _warn_unverified(path: Path) -> None:
+    if is_main():
+        log.warning(
+            "checkpoint %s has no manifest (written before checkpoints had one): resuming "
+            "from it unverified (resume=force)",
+            path,
+        )
+
+
+def _my_share_problem(path: Path, sizes_only: bool = False) -> str | None:
+    """What is wrong with this rank's share of the checkpoint's files (None: nothing)."""
     try:
         files = listed(path)
     except ManifestProblem as problem:  # this rank sees less than rank 0 did
         return f"rank {rank()}: {problem}"
-    return mismatch(path, share(files, rank(), world_size()), files)
+    return mismatch(path, share(files, rank(), world_size()), files, sizes_only)
 
 
 def _warn_skipped(path: Path, problem: str) -> None:
@@ -165,7 +201,7 @@ def _say_what_is_replaced(run_dir: Path) -> None:
     """resume=never in a run dir that holds an earlier run: one line saying what goes."""
     steps = step_dirs(run_dir)
     metrics = Path(run_dir) / "metrics.jsonl"
-    rows = sum(1 for _ in metrics.open()) if metrics.is_file() else 0
+    rows = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
     exports = [n for n in EXPORT_DIRS if (Path(run_dir) / n / "config.json").is_file()]
     parts = []
     if steps:
@@ -186,11 +222,13 @@ EXPORT_DIRS = ("model", "actor", "critic", "actor_ema")
 
 
 def resume_point(run_dir: Path, mode: str) -> Path | None:
-    """Collective. The checkpoint to resume from (:func:`choose`), or None: then an earlier run's
-    checkpoints in this run dir are removed, so that pruning and a later resume see this run's
-    only."""
-    path = choose(run_dir, mode)
-    _CHOSEN.pop((Path(run_dir).absolute(), mode), None)  # a later run in this process decides anew
+    """Collective. The checkpoint to resume from (chosen by :func:`choose`, started now if it
+    was not), or None: then an earlier run's checkpoints in this run dir are removed, so that
+    pruning and a later resume see this run's only."""
+    key = (Path(run_dir).absolute(), mode)
+    choose(run_dir, mode)
+    verification, why = _PENDING.pop(key)  # a later run in this process decides anew
+    path = verification.chosen(dict(why)) if verification is not None else None
     if path is None:
         if is_main():
             shutil.rmtree(checkpoint_dir(run_dir), ignore_errors=True)

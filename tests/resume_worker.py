@@ -22,6 +22,6 @@ if where == "rank1-view" and rank() == 1:
         return listed(path)
 
     resume.listed = lagging
-chosen = resume.choose(run_dir, "auto")
+chosen = resume.resume_point(run_dir, "auto")
 report(f"rank {rank()} resumes {chosen.name}")
 teardown()

@@ -52,14 +52,28 @@ def test_each_part_lists_the_files_its_rank_wrote_with_size_and_hash(tmp_path):
     assert written["xxh3_128"] == xxhash.xxh3_128(shard.read_bytes()).hexdigest()
     assert written["size"] == shard.stat().st_size
     assert not list(path.glob(".*"))  # no partial part left behind
-    assert resume.choose(tmp_path, "auto") == path
+    assert resume.resume_point(tmp_path, "auto") == path
 
 
-def test_the_ranks_share_out_the_files_by_size_and_each_file_is_verified_once():
-    files = {f"f{i}": (size, "xxh3_128", "") for i, size in enumerate([9, 7, 5, 3, 3, 1, 1])}
+def test_each_rank_verifies_the_files_it_wrote_which_it_loads(tmp_path):
+    path = fake_checkpoint(tmp_path, 4, ranks=2)
+    files = manifest.listed(path)
+    assert manifest.share(files, 1, 2) == [
+        "actor/state/zero_pp_rank_1_optim_states.pt",
+        "rng-rank1.pt",
+    ]
+    assert "trainer.pt" in manifest.share(files, 0, 2)
+    # resumed by another number of ranks (which load refuses): shared out by size instead
+    shares = [manifest.share(files, rank, 3) for rank in range(3)]
+    assert sorted(n for share in shares for n in share) == sorted(files) and all(shares)
+
+
+def test_an_old_manifests_files_are_shared_out_by_size_and_each_verified_once():
+    sizes = [9, 7, 5, 3, 3, 1, 1]
+    files = {f"f{i}": manifest.Entry(size, "sha256", "", None) for i, size in enumerate(sizes)}
     shares = [manifest.share(files, rank, 3) for rank in range(3)]
     assert sorted(name for share in shares for name in share) == sorted(files)
-    loads = [sum(files[n][0] for n in share) for share in shares]
+    loads = [sum(files[n].size for n in share) for share in shares]
     assert max(loads) - min(loads) <= 1  # 29 bytes over 3 ranks: 10 / 10 / 9
     assert shares == [manifest.share(files, rank, 3) for rank in range(3)]  # the same everywhere
 
@@ -89,7 +103,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(
     older, newer = fake_checkpoint(tmp_path, 4, ranks=2), fake_checkpoint(tmp_path, 8, ranks=2)
     damage(newer)
     with caplog.at_level(logging.WARNING):
-        assert resume.choose(tmp_path, "auto") == older
+        assert resume.resume_point(tmp_path, "auto") == older
     assert f"checkpoint {newer} skipped: " in caplog.text and problem in caplog.text
 
 
@@ -130,13 +144,12 @@ def test_a_checkpoint_with_the_old_single_manifest_is_verified_and_resumed(tmp_p
         if p.is_file()
     }
     (path / "manifest.json").write_text(json.dumps({"files": files}))
-    assert resume.choose(tmp_path, "auto") == path
+    assert resume.resume_point(tmp_path, "auto") == path
     (path / "trainer.pt").write_bytes(b"T" * 1400)
-    resume._CHOSEN.clear()
     with pytest.raises(
         checkpoint.CheckpointError, match=r"trainer.pt differs from what was written \(sha256\)"
     ):
-        resume.choose(tmp_path, "auto")
+        resume.resume_point(tmp_path, "auto")
 
 
 def test_a_checkpoint_without_a_manifest_resumes_under_force_with_a_warning(tmp_path, caplog):
@@ -146,7 +159,7 @@ def test_a_checkpoint_without_a_manifest_resumes_under_force_with_a_warning(tmp_
     assert "no manifest (written before checkpoints had one" in problem
     assert "resume=force resumes one without a manifest unverified" in problem
     with caplog.at_level(logging.WARNING):
-        assert resume.choose(tmp_path, "force") == path
+        assert resume.resume_point(tmp_path, "force") == path
     assert "has no manifest" in caplog.text and "resuming from it unverified" in caplog.text
     assert resume.resume_problem(tmp_path, "force", {}) is None
 
@@ -190,7 +203,7 @@ def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path, where):
     files = manifest.listed(newer)
     damaged = manifest.share(files, 1, 2)[0]
     if where == "rank1-share":
-        (newer / damaged).write_bytes(b"\0" * files[damaged][0])
+        (newer / damaged).write_bytes(b"\0" * files[damaged].size)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     proc = subprocess.run(
         [

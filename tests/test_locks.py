@@ -19,7 +19,7 @@ import time
 import pytest
 
 from rlhf import locks
-from tests.conftest import REPO
+from tests.conftest import FAST, REPO, noflock_env, read_metrics, run_rlhf
 
 
 def failing_flock(number: int):
@@ -187,3 +187,30 @@ def test_a_shared_step_lock_without_flock_waits_for_a_live_holder_at_most_its_bo
 def test_the_file_system_is_named_from_the_mount_table(tmp_path):
     assert locks.file_system(tmp_path).split(" at ")[1].startswith("/")
     assert locks.file_system(REPO).split(" at ")[0] not in ("", "an unknown file system")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, errno_name", [(1, "ENOSYS"), (2, "ENOLCK")])
+def test_a_run_on_a_file_system_whose_flock_fails_is_killed_and_resumes(
+    tmp_path, cache_dir, noflock, ranks, errno_name
+):
+    """A real run whose flock() fails at the system call (benchmarks/noflock.c under
+    LD_PRELOAD; ENOSYS as Lustre without -o flock, ENOLCK as NFSv3 without lockd), its caches
+    on that file system too: it warns once and trains, is SIGKILLed after its checkpoint at
+    step 4, and the same command resumes it to the end; nothing is refused, no traceback."""
+    root = tmp_path / "no-flock"
+    root.mkdir()
+    run_dir = root / "run"
+    overrides = ["step=sft", *FAST, "step.max_steps=6", "step.checkpoint_interval=4"]
+    overrides += [f"cache_dir={root / 'cache'}", f"data.cache_dir={root / 'data'}"]
+    env = noflock_env(noflock, root, errno_name)
+    killed = run_rlhf([*overrides, "debug.kill_at_step=5"], run_dir, ranks, 600, env, check=False)
+    assert killed.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir()
+    resumed = run_rlhf(overrides, run_dir, ranks, 600, env, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run_dir / "__main__.log").read_text()
+    name = f"cannot lock files (flock: {errno_name}: {os.strerror(getattr(errno, errno_name))})"
+    assert log.count(name) == 2  # once a run
+    assert "resumed from" in log and "Traceback" not in resumed.stderr
+    assert [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] == list(range(1, 7))
+    assert not (run_dir / ".run.lock.holder").exists()  # released at the end

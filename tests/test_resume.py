@@ -532,39 +532,27 @@ def test_wandb_without_a_key_logs_offline_and_a_resumed_run_continues_it(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["wandb", "tensorboard"])
-def test_a_resumed_runs_tracker_history_holds_each_step_once(backend, cache_dir, tmp_path):
+def test_a_resumed_runs_wandb_history_holds_each_step_once(cache_dir, tmp_path):
     """Killed (SIGKILL) at step 6, two steps after its checkpoint at 4, then resumed: steps 5
-    and 6 are logged again by the resumed run, yet the tracker's history holds each step's
-    metrics once. W&B: its own log of the run (every offline directory of the run's id, read
-    record by record); TensorBoard: the event files as TensorBoard reads them."""
-    overrides = [*STEPS["sft"], f"logger={backend}", "logger.mode=offline"]
+    and 6 are logged again by the resumed run, yet W&B's own log of the run (every offline
+    directory of the run's id, read record by record) holds each step's metrics once.
+    TensorBoard's purge: tests/test_tracking.py."""
+    from rlhf.tracking.wandb_log import history_rows
+
+    overrides = [*STEPS["sft"], "logger=wandb", "logger.mode=offline"]
     run_dir = tmp_path / "run"
     _kill_at(overrides, run_dir, cache_dir, 6)
     _run(overrides, run_dir, cache_dir)
     logged = [(r["step"], k) for r in read_metrics(run_dir) for k in r if k != "step"]
-    if backend == "wandb":
-        from rlhf.tracking.wandb_log import history_rows
-
-        logs = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-        assert len(logs) == 2  # the killed run's and the resumed run's
-        rows = [row for log in logs for row in history_rows(log)]
-        held = [
-            (row["step"], k) for row in rows for k in row if not k.startswith("_") and k != "step"
-        ]
-        assert [k for k, n in Counter(held).items() if n > 1] == []
-        assert Counter(
-            h for h in held if not h[1].startswith(("perf/", "eval/samples"))
-        ) == Counter(entry for entry in logged if not entry[1].startswith("perf/"))
-        assert sorted({s for s, k in held if k == "train/loss"}) == list(range(1, 11))
-    else:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(str(run_dir / "tensorboard"))
-        events.Reload()
-        steps = [e.step for e in events.Scalars("train/loss")]
-        assert steps == list(range(1, 11))  # 5 and 6 once, though written twice
-        assert len(list((run_dir / "tensorboard").glob("events.*"))) == 2
+    logs = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2  # the killed run's and the resumed run's
+    rows = [row for log in logs for row in history_rows(log)]
+    held = [(row["step"], k) for row in rows for k in row if not k.startswith("_") and k != "step"]
+    assert [k for k, n in Counter(held).items() if n > 1] == []
+    assert Counter(h for h in held if not h[1].startswith(("perf/", "eval/samples"))) == Counter(
+        entry for entry in logged if not entry[1].startswith("perf/")
+    )
+    assert sorted({s for s, k in held if k == "train/loss"}) == list(range(1, 11))
 
 
 # ------------------------------------------------------------------------------- disk full

@@ -712,3 +712,36 @@ def test_the_transaction_log_reader_stops_at_a_torn_record(tmp_path, real_offlin
     fifth = starts[[i for i, kind in enumerate(kinds) if kind == "history"][4]]
     log_file.write_bytes(log_file.read_bytes()[: fifth + 12])  # step 5's row, cut short
     assert [row["step"] for row in history_rows(log_file)] == [1, 2, 3, 4]
+
+
+def test_a_resumed_tensorboard_run_purges_what_the_killed_run_logged_after_its_checkpoint(
+    tmp_path,
+):
+    """The killed run logged steps 1-6 (its checkpoint at 4, then killed: no close); the
+    resumed one starts at 5 with purge_step 5 and logs 5-8: TensorBoard reads each step once,
+    5 and 6 the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhf.tracking.tensorboard_run import TensorBoardRun
+
+    killed = TensorBoardRun(tmp_path, "sft", [])
+    for step in range(1, 7):
+        killed.log({"train/loss": float(step)}, step)
+    killed.writer.flush()
+    resumed = TensorBoardRun(tmp_path, "sft", [], purge_step=5)
+    for step in range(5, 9):
+        resumed.log({"train/loss": 10.0 * step}, step)
+    resumed.close({})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert scalars == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 50.0),
+        (6, 60.0),
+        (7, 70.0),
+        (8, 80.0),
+    ]

@@ -1,0 +1,24 @@
+"""The cluster rehearsal (``python -m benchmarks rehearsal``, docs/runs.md) at the sizes it
+names, as CI can afford it: step=ppo with an OPT-350m-shaped actor and an OPT-125m-shaped critic,
+2 ranks, ZeRO-3, W&B offline, everything on a file system whose flock fails (ENOLCK), SIGKILLed
+three times at random points and resumed by the same command each time."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import rehearsal
+
+
+@pytest.mark.slow
+def test_three_kills_at_opt_350m_and_125m_shapes_end_where_an_uninterrupted_run_ends(tmp_path):
+    shape = ["--iterations", "6", "--checkpoint-every", "2", "--kills", "3", "--seed", "1"]
+    result = rehearsal.main(["--out", str(tmp_path / "rehearsal"), *shape])
+    assert result["killed"] == 3 and result["exit_codes"][-1] == 0, result
+    assert result["same_rows"], "the resumed run's metric rows differ from the uninterrupted run's"
+    assert result["wandb_repeats"] == {"reference": 0, "run": 0}
+    assert result["wandb_steps"] == 6
+    assert result["tracebacks"] == 0 and result["refused"] == 0
+    assert result["lock_warnings"] == [1, 4]  # the reference's run, and each of the 4 attempts
+    assert result["saves"] >= 3 and result["checkpoint_gib"] > 1.0  # the shapes' real size
+    assert result["ok"]
