@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 ERRNOS = {"ENOLCK": 37, "ENOSYS": 38}
 SAVED = re.compile(r"checkpoint: step (\d+) -> \S+ \(([\d.]+) GiB in ([\d.]+) s, hashing")
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\), loaded in ([\d.]+) s")
-VERIFIED = re.compile(r"checkpoint \S+ verified by \d+ rank\(s\) in ([\d.]+) s")
+VERIFIED = re.compile(r"checkpoint \S+ verified in ([\d.]+) s")
 
 
 @dataclass
@@ -55,6 +55,7 @@ class Setup:
     overrides: list[str]
     env: dict[str, str]
     ranks: int
+    iterations: int
     attempts: list[Attempt] = field(default_factory=list)
 
 
@@ -97,6 +98,10 @@ def prepare(args) -> Setup:
         f"critic.model.path={critic}",
         f"actor.zero.stage={args.zero}",
         f"critic.zero.stage={args.zero}",
+        # gradients reduced 50M elements at a time, not 500M: two ranks' 2 GB buckets would not
+        # fit beside the models in this machine's 24 GiB
+        "actor.zero.reduce_bucket_size=5e7",
+        "critic.zero.reduce_bucket_size=5e7",
         f"data.max_prompt_len={args.tokens}",
         f"data.max_seq_len={2 * args.tokens}",
         f"ppo.max_new_tokens={args.tokens}",
@@ -127,7 +132,7 @@ def prepare(args) -> Setup:
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("WANDB_MODE", None)  # logger.mode decides
-    return Setup(out, root, overrides, env, args.ranks)
+    return Setup(out, root, overrides, env, args.ranks, args.iterations)
 
 
 def random_opt(shape: str, out: Path, reward: bool = False) -> Path:
@@ -192,12 +197,13 @@ def run_with_kills(setup: Setup, name: str, kills: int, rng: random.Random) -> P
     run_dir = setup.root / name
     row_seconds = _seconds_a_row(setup.root / "reference")
     for _ in range(kills):
-        rows = _rows(run_dir)
         started = time.perf_counter()
         proc = start(setup, run_dir)
-        while proc.poll() is None and _rows(run_dir) <= rows:
-            time.sleep(0.2)  # until the run has logged a row of its own
-        time.sleep(rng.uniform(0, 1.5 * row_seconds))
+        _wait_for_a_new_row(proc, run_dir / "metrics.jsonl")
+        # a random point within the next iteration and a half, before the last iteration ends
+        deadline = time.monotonic() + rng.uniform(0, 1.5 * row_seconds)
+        while time.monotonic() < deadline and _last_step(run_dir) < setup.iterations - 1:
+            time.sleep(0.2)
         killed = proc.poll() is None
         if killed:
             kill_tree(proc.pid)
@@ -225,6 +231,34 @@ def kill_tree(pid: int) -> None:
     for member in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+def _wait_for_a_new_row(proc: subprocess.Popen, metrics: Path) -> None:
+    """Until the attempt has logged a row of its own: as it starts, its tracker rewrites
+    metrics.jsonl cut back to its checkpoint (a new file); then a row is appended."""
+    before = _inode(metrics)
+    while proc.poll() is None and _inode(metrics) in (None, before):
+        time.sleep(0.2)
+    kept = _rows(metrics.parent)
+    while proc.poll() is None and _rows(metrics.parent) <= kept:
+        time.sleep(0.2)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _last_step(run_dir: Path) -> int:
+    """The step of the last whole row of metrics.jsonl (0: none yet)."""
+    for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
+        try:
+            return json.loads(line)["step"]
+        except ValueError:  # a row being written
+            continue
+    return 0
 
 
 def _rows(run_dir: Path) -> int:
@@ -264,6 +298,7 @@ def judge(setup: Setup, reference: Path, interrupted: Path, wall_s: float) -> di
         "rows": len(_comparable(interrupted)),
         "wandb_repeats": wandb_once,
         "wandb_steps": len(_wandb_steps(interrupted)),
+        "wandb_runs": len(_wandb_runs(interrupted)),
         "tracebacks": tracebacks,
         "refused": refused,
         "lock_warnings": warned,
@@ -295,27 +330,35 @@ def _comparable(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
 
 
-def _wandb_rows(run_dir: Path) -> list[dict]:
-    """Every history row in W&B's logs of the run (each incarnation's offline directory)."""
+def _wandb_runs(run_dir: Path) -> dict[str, list[dict]]:
+    """The history rows of each W&B run in the run dir, by id, oldest run first: the run's own
+    (every incarnation's offline directory), and one a fresh start left (an attempt killed
+    before its first checkpoint: the command then starts over, training and W&B run alike)."""
     from rlhf.tracking.wandb_log import history_rows, run_logs
 
-    ids = {d.name.rsplit("-", 1)[1] for d in run_dir.glob("wandb/offline-run-*")}
-    return [row for i in sorted(ids) for log in run_logs(run_dir, i) for row in history_rows(log)]
+    dirs = sorted(run_dir.glob("wandb/offline-run-*"))
+    ids = list(dict.fromkeys(d.name.rsplit("-", 1)[1] for d in dirs))
+    return {i: [row for log in run_logs(run_dir, i) for row in history_rows(log)] for i in ids}
 
 
 def _wandb_steps(run_dir: Path) -> set[int]:
-    return {int(row["step"]) for row in _wandb_rows(run_dir) if "step" in row}
+    """The steps in the W&B run the run dir ended with."""
+    final = list(_wandb_runs(run_dir).values())[-1]
+    return {int(row["step"]) for row in final if "step" in row}
 
 
 def _wandb_repeats(run_dir: Path) -> int:
-    """How many (step, metric) pairs W&B's logs of the run hold more than once."""
-    seen = Counter(
-        (row["step"], key)
-        for row in _wandb_rows(run_dir)
-        for key in row
-        if "step" in row and not key.startswith("_") and key != "step"
-    )
-    return sum(1 for count in seen.values() if count > 1)
+    """How many (step, metric) pairs a W&B run of the run dir holds more than once."""
+    repeats = 0
+    for rows in _wandb_runs(run_dir).values():
+        seen = Counter(
+            (row["step"], key)
+            for row in rows
+            for key in row
+            if "step" in row and not key.startswith("_") and key != "step"
+        )
+        repeats += sum(1 for count in seen.values() if count > 1)
+    return repeats
 
 
 def report(result: dict, args) -> str:
@@ -326,7 +369,8 @@ def report(result: dict, args) -> str:
         f"(seed {args.seed})",
         f"  metric rows equal to the uninterrupted run's: {result['same_rows']} ({result['rows']} rows)",
         f"  W&B history: {result['wandb_steps']} steps, repeated (step, metric) pairs: "
-        f"{result['wandb_repeats']}",
+        f"{result['wandb_repeats']} ({result['wandb_runs']} W&B run(s): one more for each attempt "
+        "killed before its first checkpoint, which the next attempt started over)",
         f"  exits {result['exit_codes']} (reference first); resumed at steps {result['resumed_at']}",
         f"  tracebacks {result['tracebacks']}, refusals {result['refused']}, lock warnings "
         f"(reference, run) {result['lock_warnings']}",

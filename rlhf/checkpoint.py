@@ -40,11 +40,7 @@ from rlhf.dist import (
     world_size,
 )
 from rlhf.files import dir_size, no_space_message, out_of_space
-from rlhf.manifest import (
-    Part,
-    has_manifest,
-    incomplete,
-)
+from rlhf.manifest import Part, has_manifest, incomplete
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +86,6 @@ def newest_complete(run_dir: Path) -> Path | None:
     return None
 
 
-def _step_dirs(run_dir: Path) -> list[Path]:
-    root = checkpoint_dir(run_dir)
-    return sorted(p for p in root.iterdir() if _NAME.match(p.name)) if root.is_dir() else []
-
-
 def save(
     run_dir: Path,
     step: int,
@@ -108,7 +99,7 @@ def save(
     (called on every rank with the temporary directory; returns the files it wrote) adds a
     recipe's own files, e.g. state sharded over the ranks that must not pass through rank 0's
     trainer.pt. ``config``: the run's config (dataclasses.asdict), kept for
-    :func:`resume_problem`. Each rank hashes what it writes and writes its manifest part."""
+    :func:`rlhf.resume.resume_problem`. Each rank hashes what it writes and writes its manifest part."""
     started = time.perf_counter()
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"

@@ -12,13 +12,13 @@ from benchmarks import rehearsal
 
 @pytest.mark.slow
 def test_three_kills_at_opt_350m_and_125m_shapes_end_where_an_uninterrupted_run_ends(tmp_path):
-    shape = ["--iterations", "6", "--checkpoint-every", "2", "--kills", "3", "--seed", "1"]
-    result = rehearsal.main(["--out", str(tmp_path / "rehearsal"), *shape])
+    shape = ["--iterations", "4", "--checkpoint-every", "2", "--kills", "3", "--tokens", "4"]
+    result = rehearsal.main(["--out", str(tmp_path / "rehearsal"), *shape, "--seed", "1"])
     assert result["killed"] == 3 and result["exit_codes"][-1] == 0, result
     assert result["same_rows"], "the resumed run's metric rows differ from the uninterrupted run's"
     assert result["wandb_repeats"] == {"reference": 0, "run": 0}
-    assert result["wandb_steps"] == 6
+    assert result["wandb_steps"] == 4
     assert result["tracebacks"] == 0 and result["refused"] == 0
     assert result["lock_warnings"] == [1, 4]  # the reference's run, and each of the 4 attempts
-    assert result["saves"] >= 3 and result["checkpoint_gib"] > 1.0  # the shapes' real size
+    assert result["saves"] >= 2 and result["checkpoint_gib"] > 4.0  # the shapes' real size
     assert result["ok"]
