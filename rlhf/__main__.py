@@ -97,12 +97,18 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         _check_before_writing(config, steps)
     except ConfigError as err:
         _fail(err)
-    for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
-        log.warning(line)
     group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else None
     name = hydra_cfg.job.override_dirname or "default"
-    record = partial(_save_hydra_files, cfg)
+    record = partial(_record_run, cfg, fitted)
     return run_step(config, info_dir, name, group, _resolved(cfg), steps, shared, record)
+
+
+def _record_run(cfg: DictConfig, fitted: list[str]) -> None:
+    """Once the run dir's lock is held (a refused run writes nothing into the holder's log or
+    record): the lengths cut to fit, and Hydra's record of the run."""
+    for line in fitted if int(os.environ.get("RANK", "0")) == 0 else []:
+        log.warning(line)
+    _save_hydra_files(cfg)
 
 
 def _step_config(cfg: DictConfig, produced: tuple[Path, ...], known) -> tuple[Config, dict]:
@@ -204,8 +210,8 @@ def run_step(
     try:
         device = engine.device_type(config.device)
         note = engine.shm_comm_build_note(device)
-        if note and dist.rank() == 0:
-            log.info(note)
+        if note and dist.rank() == 0:  # not logged: the run dir's log may be another run's
+            print(note, file=sys.stderr, flush=True)
         dist.init_distributed(device)  # torn down at exit
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())

@@ -27,6 +27,7 @@ def test_a_second_run_in_a_held_run_dir_is_one_line_and_writes_nothing(tmp_path)
     assert f"hydra.run.dir={run_dir}: another run is using it (pid {os.getpid()} on host" in line
     assert "choose another hydra.run.dir" in line
     assert not (run_dir / ".hydra").exists()  # the holder's record is not overwritten
+    assert not (run_dir / "__main__.log").exists()  # nor is its log written into
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "model").exists()
 
 
