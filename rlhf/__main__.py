@@ -207,15 +207,17 @@ def run_step(
     from rlhf.steps.loop import RunInfo, TrainingStopped
 
     info = RunInfo(run_dir, run_name, group, resolved)
+    log_files = _detach_log_files()  # the run dir's log may be another run's until the lock
     try:
         device = engine.device_type(config.device)
         note = engine.shm_comm_build_note(device)
-        if note and dist.rank() == 0:  # not logged: the run dir's log may be another run's
-            print(note, file=sys.stderr, flush=True)
+        if note and dist.rank() == 0:
+            log.info(note)
         dist.init_distributed(device)  # torn down at exit
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
         with _sole_run(run_dir, config):
+            _attach_log_files(log_files if dist.is_main() else [])  # other ranks: console only
             _choose_checkpoints(config, steps, run_dir, shared or {})
             record()
             if steps is not None:
@@ -541,12 +543,24 @@ def _quiet_libraries(is_main: bool) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    if not is_main:  # other ranks: warnings to the console only, no shared log file
-        root = logging.getLogger()
-        for handler in list(root.handlers):
-            if isinstance(handler, logging.FileHandler):
-                root.removeHandler(handler)
-        root.setLevel(logging.WARNING)
+    if not is_main:  # other ranks: warnings to the console only
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def _detach_log_files() -> list[logging.Handler]:
+    """Hydra's file log of the run dir, off the root logger until the run dir's lock is held:
+    a run refused for a held run dir writes nothing into the holder's log (with the handler's
+    delay, the file is not even opened)."""
+    root = logging.getLogger()
+    handlers = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    for handler in handlers:
+        root.removeHandler(handler)
+    return handlers
+
+
+def _attach_log_files(handlers: list[logging.Handler]) -> None:
+    for handler in handlers:
+        logging.getLogger().addHandler(handler)
 
 
 if __name__ == "__main__":
