@@ -207,7 +207,7 @@ def run_step(
     from rlhf.steps.loop import RunInfo, TrainingStopped
 
     info = RunInfo(run_dir, run_name, group, resolved)
-    log_files = _detach_log_files()  # the run dir's log may be another run's until the lock
+    pending_log = _PendingLog()  # the run dir's log may be another run's until the lock
     try:
         device = engine.device_type(config.device)
         note = engine.shm_comm_build_note(device)
@@ -217,7 +217,7 @@ def run_step(
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
         with _sole_run(run_dir, config):
-            _attach_log_files(log_files if dist.is_main() else [])  # other ranks: console only
+            pending_log.attach(keep=dist.is_main())  # other ranks: console only
             _choose_checkpoints(config, steps, run_dir, shared or {})
             record()
             if steps is not None:
@@ -232,6 +232,8 @@ def run_step(
     except BaseException:
         dist.mark_crashed()
         raise
+    finally:
+        pending_log.detach()  # refused: its lines went to the console only
     gc.collect()  # a multirun's next job starts in this process
     return summary.get("eval/loss")
 
@@ -547,20 +549,36 @@ def _quiet_libraries(is_main: bool) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
-def _detach_log_files() -> list[logging.Handler]:
-    """Hydra's file log of the run dir, off the root logger until the run dir's lock is held:
-    a run refused for a held run dir writes nothing into the holder's log (with the handler's
-    delay, the file is not even opened)."""
-    root = logging.getLogger()
-    handlers = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
-    for handler in handlers:
-        root.removeHandler(handler)
-    return handlers
+class _PendingLog(logging.Handler):
+    """Stands in for Hydra's file log of the run dir until the run dir's lock is held: a run
+    refused for a held run dir writes nothing into the holder's log (with the handler's delay,
+    the file is not even opened), and a run that gets the lock finds what was logged before it
+    (the lock's own warning among it) at the top of its log."""
 
+    def __init__(self):
+        super().__init__()
+        root = logging.getLogger()
+        self.files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+        self.records: list[logging.LogRecord] = []
+        for handler in self.files:
+            root.removeHandler(handler)
+        root.addHandler(self)
 
-def _attach_log_files(handlers: list[logging.Handler]) -> None:
-    for handler in handlers:
-        logging.getLogger().addHandler(handler)
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def attach(self, keep: bool) -> None:
+        """Put the file log back, with the lines held (``keep=False``: console only)."""
+        self.detach()
+        for handler in self.files if keep else []:
+            logging.getLogger().addHandler(handler)
+            for record in self.records:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+        self.records.clear()
+
+    def detach(self) -> None:
+        logging.getLogger().removeHandler(self)
 
 
 if __name__ == "__main__":

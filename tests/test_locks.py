@@ -204,6 +204,7 @@ def test_a_run_on_a_file_system_whose_flock_fails_is_killed_and_resumes(
     root.mkdir()
     run_dir = root / "run"
     overrides = ["step=sft", *FAST, "step.max_steps=6", "step.checkpoint_interval=4"]
+    overrides += ["step.log_interval=1"]
     overrides += [f"cache_dir={root / 'cache'}", f"data.cache_dir={root / 'data'}"]
     env = noflock_env(noflock, root, errno_name)
     killed = run_rlhf([*overrides, "debug.kill_at_step=5"], run_dir, ranks, 600, env, check=False)

@@ -5,6 +5,8 @@ three times at random points and resumed by the same command each time."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from benchmarks import rehearsal
@@ -13,7 +15,11 @@ from benchmarks import rehearsal
 @pytest.mark.slow
 def test_three_kills_at_opt_350m_and_125m_shapes_end_where_an_uninterrupted_run_ends(tmp_path):
     shape = ["--iterations", "4", "--checkpoint-every", "2", "--kills", "3", "--tokens", "4"]
-    result = rehearsal.main(["--out", str(tmp_path / "rehearsal"), *shape, "--seed", "1"])
+    out = tmp_path / "rehearsal"
+    try:
+        result = rehearsal.main(["--out", str(out), *shape, "--seed", "1"])
+    finally:  # its checkpoints take about 10 GB, and pytest keeps the last three runs' tmp dirs
+        shutil.rmtree(out, ignore_errors=True)
     assert result["killed"] == 3 and result["exit_codes"][-1] == 0, result
     assert result["same_rows"], "the resumed run's metric rows differ from the uninterrupted run's"
     assert result["wandb_repeats"] == {"reference": 0, "run": 0}
