@@ -157,11 +157,12 @@ def _choose_checkpoints(config: Config, steps: dict | None, run_dir: Path, share
         ]
         done = from_main([is_complete(d, n) for (_, d, _, _), n in zip(runs, steps)])
         runs = [run for run, complete in zip(runs, done) if not complete]
-    problems = [
-        resume.resume_problem(d, c.resume, dataclasses.asdict(c), unread)
-        for c, d, unread, _ in runs
-    ]
-    raise_problems([p for p in from_main(problems if is_main() else None) if p], "resume")
+    problems = from_main(
+        [resume.resume_problem(d, c.resume, dataclasses.asdict(c), u) for c, d, u, _ in runs]
+        if is_main()
+        else None
+    )
+    raise_problems([p for p in problems if p], "resume")
     for step_config, step_dir, _, is_shared in runs:
         if not is_shared:
             resume.choose(step_dir, step_config.resume)

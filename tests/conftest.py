@@ -4,6 +4,7 @@ wrote."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -109,6 +110,26 @@ def assert_contains(expected, actual, where: str) -> None:
         assert list(expected) == list(actual), where
     else:
         assert expected == actual, f"{where}: {actual!r}, the file says {expected!r}"
+
+
+@pytest.fixture(autouse=True)
+def _memory_turns(request, tmp_path_factory):
+    """A test marked ``alone`` runs while no other test does, whatever pytest-xdist worker runs
+    it: the rehearsal's two ranks at OPT-350m/125m shapes take about 21 of this machine's 24 GiB,
+    and the kernel killed them when another worker's test ran beside them. Every other test
+    holds a shared lock on a file the workers share, an ``alone`` test an exclusive one, and
+    first a gate that keeps new tests from starting while it waits for those running."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(shared / "memory.gate", "a") as gate, open(shared / "memory.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases the locks
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from benchmarks import rehearsal
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_three_kills_at_opt_350m_and_125m_shapes_end_where_an_uninterrupted_run_ends(tmp_path):
     shape = ["--iterations", "4", "--checkpoint-every", "2", "--kills", "3", "--tokens", "4"]
     out = tmp_path / "rehearsal"
