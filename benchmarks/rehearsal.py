@@ -252,8 +252,10 @@ def _inode(path: Path) -> int | None:
 
 
 def _last_step(run_dir: Path) -> int:
-    """The step of the last whole row of metrics.jsonl (0: none yet)."""
-    for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
+    """The step of the last whole row of metrics.jsonl (0: none yet, or no file: the attempt
+    ended before it wrote one)."""
+    metrics = run_dir / "metrics.jsonl"
+    for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
         try:
             return json.loads(line)["step"]
         except ValueError:  # a row being written

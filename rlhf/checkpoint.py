@@ -99,7 +99,8 @@ def save(
     (called on every rank with the temporary directory; returns the files it wrote) adds a
     recipe's own files, e.g. state sharded over the ranks that must not pass through rank 0's
     trainer.pt. ``config``: the run's config (dataclasses.asdict), kept for
-    :func:`rlhf.resume.resume_problem`. Each rank hashes what it writes and writes its manifest part."""
+    :func:`rlhf.resume.resume_problem`. Each rank hashes what it writes and writes its manifest
+    part."""
     started = time.perf_counter()
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
