@@ -105,7 +105,7 @@ def table(results: dict, args) -> str:
 def worker(argv: list[str]) -> None:
     """One rank of a save run (``save OUT STAGE ROUNDS ACTOR CRITIC``) or of a resume run
     (``resume OUT STAGE plain|verified ACTOR CRITIC``)."""
-    from rlhf.dist import init_distributed, teardown
+    from rlhf.runtime.dist import init_distributed, teardown
 
     what, out, stage, extra, actor, critic = argv[0], Path(argv[1]), int(argv[2]), *argv[3:6]
     init_distributed("cpu")
@@ -117,8 +117,8 @@ def worker(argv: list[str]) -> None:
 
 
 def _saves(out: Path, stage: int, rounds: int, actor: str, critic: str) -> None:
-    from rlhf import checkpoint
-    from rlhf.dist import is_main
+    from rlhf.runtime import checkpoint
+    from rlhf.runtime.dist import is_main
 
     engines = {"actor": _engine(actor, stage), "critic": _engine(critic, stage)}
     run_dir, plain_dir = out / "run", out / "deepspeed"
@@ -158,8 +158,8 @@ def _saves(out: Path, stage: int, rounds: int, actor: str, critic: str) -> None:
 def _resume(out: Path, stage: int, verified: bool, actor: str, critic: str) -> None:
     """A resume as a run makes it: (the checkpoint chosen, its verification started,) the
     engines built, (the verification waited for,) the checkpoint loaded."""
-    from rlhf import checkpoint, resume
-    from rlhf.dist import barrier, is_main
+    from rlhf.runtime import checkpoint, resume
+    from rlhf.runtime.dist import barrier, is_main
 
     run_dir = out / "run"
     saved = checkpoint.checkpoint_dir(run_dir) / "step-00000001"
@@ -191,7 +191,7 @@ class _HashingSeconds(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.last = 0.0
-        logger = logging.getLogger("rlhf.checkpoint")
+        logger = logging.getLogger("rlhf.runtime.checkpoint")
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
 
@@ -207,8 +207,8 @@ def _engine(shape: str, stage: int, step: bool = True):
     from transformers import OPTConfig, OPTForCausalLM
 
     from rlhf.config import TINY_VOCAB_SIZE, LoraConfig, OptimConfig, ZeroConfig
-    from rlhf.dist import world_size
-    from rlhf.engine import BatchShape, ds_config, initialize
+    from rlhf.runtime.dist import world_size
+    from rlhf.runtime.engine import BatchShape, ds_config, initialize
 
     torch.manual_seed(0)
     model = OPTForCausalLM(OPTConfig(vocab_size=TINY_VOCAB_SIZE, **SHAPES[shape]))
@@ -233,7 +233,7 @@ def _evict(path: Path) -> None:
 
 def _timed(action) -> float:
     """Seconds ``action`` takes on every rank (rank 0's wall, between barriers)."""
-    from rlhf.dist import barrier
+    from rlhf.runtime.dist import barrier
 
     barrier()
     started = time.perf_counter()

@@ -123,7 +123,7 @@ def worker(spec_path: str, overrides: list[str]) -> None:
 
 
 def floor_recipe(cfg, info, spec: dict) -> dict:
-    from rlhf.dist import barrier, is_main
+    from rlhf.runtime.dist import barrier, is_main
     from rlhf.steps import ppo
 
     setup = ppo.set_up(cfg, info)
@@ -168,9 +168,6 @@ def one_repeat(setup, barrier) -> dict[str, float]:
     iteration; then the update once more on the batch as scored before it, and the push."""
     import torch
 
-    from rlhf.dist import rank
-    from rlhf.engine import model_device
-    from rlhf.rl.advantages import iteration_shaping
     from rlhf.rl.experience import (
         eval_modules,
         kl_needs_logits,
@@ -180,6 +177,9 @@ def one_repeat(setup, barrier) -> dict[str, float]:
         response_values,
         scoring_args,
     )
+    from rlhf.rl.shaping import iteration_shaping
+    from rlhf.runtime.dist import rank
+    from rlhf.runtime.engine import model_device
     from rlhf.steps import ppo
     from rlhf.steps.ppo_update import ppo_update
 

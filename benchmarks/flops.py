@@ -62,7 +62,7 @@ def section_flops(section: str, run_dir: Path) -> float | None:
     from transformers import AutoConfig
 
     from rlhf.config import ModelConfig
-    from rlhf.models import model_path
+    from rlhf.modeling.loading import model_path
 
     model = model_path(run_config(run_dir, "model", ModelConfig), run_config(run_dir, "cache_dir"))
     phase = "reward" if section == "reward" else "sft"

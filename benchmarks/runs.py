@@ -114,8 +114,8 @@ def run_config(run_dir: Path, node: str, schema=None):
 def phase_rows(run_dir: Path, model: str, phase: str):
     """The tokenised train rows of ``phase`` that the run in ``run_dir`` read (same cache)."""
     from rlhf.config import DataConfig, ModelConfig
-    from rlhf.data.pipeline import phase_dataset
-    from rlhf.models import end_of_text_id, load_tokenizer
+    from rlhf.data.prepare import phase_dataset
+    from rlhf.modeling.loading import end_of_text_id, load_tokenizer
 
     data = run_config(run_dir, "data", DataConfig)
     tokenizer = load_tokenizer(ModelConfig(path=model), model)

@@ -72,7 +72,7 @@ def trl_worker(spec_path: str) -> None:
     from transformers import TrainerCallback
 
     from rlhf.config import ModelConfig
-    from rlhf.models import load_tokenizer
+    from rlhf.modeling.loading import load_tokenizer
 
     spec = json.loads(Path(spec_path).read_text())
     rows = json.loads((Path(spec["out"]) / "rows.json").read_text())

@@ -23,21 +23,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
-from rlhf.config.logger import TAGS_ACCEPTED
-from rlhf.roles import (
-    pipeline_steps,
-    share_command_line,
-    step_values,
-    step_values_text,
-    unread_problems,
-)
-from rlhf.validate import (
+from rlhf.checks.validate import (
     check_launch,
     fit_lengths,
     positions,
     raise_problems,
     validated,
+)
+from rlhf.config import NOT_READ_BY, Config, ConfigError, register_configs, unknown_key
+from rlhf.config.logger import TAGS_ACCEPTED
+from rlhf.config.sharing import (
+    pipeline_steps,
+    share_command_line,
+    step_values,
+    step_values_text,
+    unread_problems,
 )
 
 # The recipes (and DeepSpeed, transformers behind them) are imported once the config is valid,
@@ -140,11 +140,11 @@ def _choose_checkpoints(config: Config, steps: dict | None, run_dir: Path, share
     """Collective, with the run dir's lock held, before any model is built: refuse a resume
     that must not happen (another config's checkpoints, another number of ranks, none intact;
     rank 0 reads, every rank answers alike), then start choosing the checkpoint each step in
-    this run dir resumes (rlhf.resume: truncated files found now, hashes read while the models
+    this run dir resumes (rlhf.runtime.resume: truncated files found now, hashes read while the models
     are built). A step of step=all that is complete is skipped, not resumed; a shared step
     (pipeline.share_dir) is chosen under its own lock when its turn comes."""
-    from rlhf import resume
-    from rlhf.dist import from_main, is_main
+    from rlhf.runtime import resume
+    from rlhf.runtime.dist import from_main, is_main
 
     if steps is None:
         runs = [(config, run_dir, (), False)]
@@ -203,7 +203,7 @@ def run_step(
     """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``,
     ``shared`` those that run in pipeline.share_dir) holding ``run_dir``'s lock; ``record``
     writes the run's record once the lock is held (a refused run overwrites nothing)."""
-    from rlhf import checkpoint, dist, engine
+    from rlhf.runtime import checkpoint, dist, engine
     from rlhf.steps import all as pipeline
     from rlhf.steps.loop import RunInfo, TrainingStopped
 
@@ -246,7 +246,7 @@ RUN_LOCK = ".run.lock"  # in the run dir, held by a run's rank 0 from start to e
 def _sole_run(run_dir: Path, config: Config) -> Iterator[None]:
     """One run at a time in a run dir: a second one would resume from, prune and overwrite the
     first's checkpoints and exports under its own config."""
-    from rlhf import locks
+    from rlhf.runtime import locks
 
     try:
         with locks.sole_user(run_dir / RUN_LOCK):
@@ -276,7 +276,7 @@ def print_help(args: list[str]) -> None:
     """Every group and key, with the value the overrides in ``args`` compose to and its
     meaning; a word without "=" keeps the keys it names (``--help ppo``). Hydra's own help:
     --hydra-help."""
-    from rlhf import help as key_help
+    from rlhf.cli import help as key_help
 
     _refuse_unknown_keys([a for a in args if a not in key_help.help_filters(args)])
     OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
@@ -293,7 +293,7 @@ def _preflight(args: list[str]) -> None:
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from rlhf import preflight
+    from rlhf.checks import preflight
 
     parsed, _ = get_args_parser().parse_known_args(args)
     try:
@@ -319,7 +319,7 @@ def _preflight(args: list[str]) -> None:
 def _show_config_as_run() -> None:
     """--cfg: Hydra composes and prints the config itself; what it prints must be what a run
     gets, so its composition shares the command line's top-level values with PPO's models as a
-    run does (rlhf.roles), and --cfg job prints the values, not the interpolations that make
+    run does (rlhf.config.sharing), and --cfg job prints the values, not the interpolations that make
     them. At step=all, whose steps each compose their own, a comment first lists the keys a
     step runs with another value than printed."""
     from hydra._internal.hydra import Hydra
@@ -400,7 +400,7 @@ def _refuse_unknown_keys(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from rlhf.preflight import check_override_syntax
+    from rlhf.checks.preflight import check_override_syntax
 
     parsed, _ = get_args_parser().parse_known_args(args)
     try:
@@ -435,7 +435,7 @@ def _is_group_or_hydra(override, groups: set[str]) -> bool:
 
 def _config_groups(config_dir: str | None) -> set[str]:
     """The config group names of conf/ and of a -cd directory (sweeps/ has its own)."""
-    from rlhf.help import CONF_DIR
+    from rlhf.cli.help import CONF_DIR
 
     dirs = [Path(CONF_DIR), *([Path(config_dir)] if config_dir else [])]
     return {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()}
@@ -450,7 +450,7 @@ def _run_dir_errors_in_one_line() -> None:
 
     from hydra._internal import hydra as hydra_internals
 
-    from rlhf.preflight import check_job_dir
+    from rlhf.checks.preflight import check_job_dir
 
     run_job = hydra_internals.run_job
     if getattr(run_job, "one_line", False):
@@ -479,7 +479,7 @@ def _run_dir_errors_in_one_line() -> None:
 def _end_with_launcher() -> None:
     if "LOCAL_RANK" not in os.environ:  # not a rank of torchrun or the deepspeed launcher
         return
-    from rlhf import dist
+    from rlhf.runtime import dist
 
     dist.end_with_launcher()
 
@@ -487,7 +487,7 @@ def _end_with_launcher() -> None:
 def _adopt_slurm_ranks() -> None:
     """``srun`` of several tasks without torchrun: SLURM's tasks are the ranks."""
     if "SLURM_STEP_ID" in os.environ and "RANK" not in os.environ:
-        from rlhf import dist
+        from rlhf.runtime import dist
 
         os.environ.update(dist.torch_env_from_slurm(os.environ))
 
@@ -514,7 +514,7 @@ def _share_run_time() -> None:
     """Several ranks must agree on the run directory's timestamp: rank 0 sends its clock."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or _RUN_TIME_ENV in os.environ:
         return
-    from rlhf import dist, engine
+    from rlhf.runtime import dist, engine
 
     requested = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("device=")), "auto")
     try:
@@ -540,7 +540,7 @@ def _quiet_libraries(is_main: bool) -> None:
     import datasets
     import transformers
 
-    from rlhf.engine import quiet_deepspeed
+    from rlhf.runtime.engine import quiet_deepspeed
 
     quiet_deepspeed()
     transformers.logging.set_verbosity_error()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rank_report import report  # tests/, the script's own directory
 
-from rlhf import manifest, resume
-from rlhf.dist import init_distributed, rank, teardown
+from rlhf.runtime import manifest, resume
+from rlhf.runtime.dist import init_distributed, rank, teardown
 
 run_dir, where = Path(sys.argv[1]), sys.argv[2]
 init_distributed("cpu")

@@ -13,28 +13,27 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlhf"
 
 # Bottom to top. A module may import modules of its own layer or of layers below it.
 LAYERS = (
-    ("rlhf.config", "rlhf.roles", "rlhf.dist", "rlhf.locks", "rlhf.files", "rlhf.paths"),
-    ("rlhf.algos", "rlhf.registry", "rlhf.attention", "rlhf.tasks", "rlhf.reward_metrics"),
+    ("rlhf.config", "rlhf.runtime"),
     (
-        "rlhf.engine",
-        "rlhf.checkpoint",
-        "rlhf.manifest",
-        "rlhf.resume",
+        "rlhf.algos",
+        "rlhf.registry",
+        "rlhf.tasks",
+        "rlhf.modeling",
         "rlhf.tracking",
-        "rlhf.models",
         "rlhf.assets",
+        "rlhf.evaluators.pair_metrics",
     ),
     ("rlhf.data",),
     ("rlhf.rl",),
-    ("rlhf.evaluation",),
+    ("rlhf.evaluators",),
     ("rlhf.steps",),
-    ("rlhf.validate", "rlhf.help", "rlhf.preflight"),
-    ("rlhf.__main__",),
+    ("rlhf.checks",),
+    ("rlhf.cli", "rlhf.__main__"),
 )
 # Beside the pipeline: may import any of it, and nothing in the pipeline imports them. chat,
 # compare and evaluate are the user's other commands; rlhf.tools holds the sweep summary and the
-# launchers' mechanics; rlhf.bench only says that the benchmarks moved to benchmarks/ (outside the package).
-TOOLS = ("rlhf.tools", "rlhf.bench", "rlhf.compare", "rlhf.chat", "rlhf.evaluate")
+# launchers' mechanics.
+TOOLS = ("rlhf.tools", "rlhf.cli.chat", "rlhf.cli.compare", "rlhf.cli.evaluate")
 # What the wheel ships (pyproject.toml): none of it may import the benchmarks, which it does not
 WHEEL = (PACKAGE, PACKAGE.parent / "hydra_plugins")
 
@@ -147,9 +146,9 @@ def test_the_checker_finds_what_it_is_for(tmp_path):
 
 
 def test_one_rule_says_what_is_a_local_path(tmp_path, monkeypatch):
-    """Models, data and the tiny model's check read rlhf.paths; data adds file names."""
+    """Models, data and the tiny model's check read rlhf.runtime.paths; data adds file names."""
     from rlhf.data import sources
-    from rlhf.paths import looks_local
+    from rlhf.runtime.paths import looks_local
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "exports").mkdir()

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
-from rlhf import models
-from rlhf import validate as preflight
 from rlhf.assets import TINY_TOKENIZER_DIR
+from rlhf.checks import validate as preflight
 from rlhf.config import ConfigError, DataConfig, ModelConfig, SourceConfig, register_configs
-from rlhf.data import pipeline
+from rlhf.data import prepare
 from rlhf.data.sources import SourceError
+from rlhf.modeling import loading
 from tests.conftest import FAST, cache_overrides, run_rlhf
 
 register_configs()  # the schema, for the tests that compose in-process
@@ -175,11 +175,11 @@ def test_overlong_prompts_are_counted(policy, tmp_path, tokenizer, caplog):
     path.write_bytes(_jsonl(rows))
     data = _data(path, tmp_path / "cache", overlong_prompts=policy)
     eot = tokenizer.eos_token_id
-    with caplog.at_level(logging.INFO, logger="rlhf.data.pipeline"):
+    with caplog.at_level(logging.INFO, logger="rlhf.data.prepare"):
         out = [
             r
             for s in ("train", "eval")
-            for r in pipeline.phase_dataset(data, "sft", s, tokenizer, eot)
+            for r in prepare.phase_dataset(data, "sft", s, tokenizer, eot)
         ]
     counted = [
         r.getMessage()
@@ -199,7 +199,7 @@ def test_overlong_prompts_are_counted(policy, tmp_path, tokenizer, caplog):
 
 def test_overlong_policy_is_part_of_the_cache_key(tmp_path, tokenizer):
     keys = {
-        pipeline.cache_key(
+        prepare.cache_key(
             _data(tmp_path / "x.jsonl", tmp_path, overlong_prompts=p), "sft", "train", tokenizer, 2
         )
         for p in ("truncate", "skip", "error")
@@ -362,7 +362,7 @@ def test_vocab_problem_is_pure_and_names_both_paths():
 
 
 def test_trust_remote_code_is_off_unless_configured(monkeypatch, tmp_path):
-    """Every loader in rlhf.models passes model.trust_remote_code (default false)."""
+    """Every loader in rlhf.modeling.loading passes model.trust_remote_code (default false)."""
     assert ModelConfig().trust_remote_code is False
     calls = []
 
@@ -374,23 +374,23 @@ def test_trust_remote_code_is_off_unless_configured(monkeypatch, tmp_path):
         return from_pretrained
 
     for cls in ("AutoTokenizer", "AutoConfig", "AutoModelForCausalLM"):
-        monkeypatch.setattr(getattr(models, cls), "from_pretrained", record(cls))
+        monkeypatch.setattr(getattr(loading, cls), "from_pretrained", record(cls))
     monkeypatch.setattr(
-        models.AutoModelForSequenceClassification, "from_pretrained", record("AutoModelForSeqCls")
+        loading.AutoModelForSequenceClassification, "from_pretrained", record("AutoModelForSeqCls")
     )
     path = str(tmp_path)
     for flag in (False, True):
         model = ModelConfig(path=path, trust_remote_code=flag)
         with pytest.raises(RuntimeError):
-            models.load_tokenizer(model, path)
+            loading.load_tokenizer(model, path)
         with pytest.raises(RuntimeError):
-            models.model_config(model, path)
+            loading.model_config(model, path)
         with monkeypatch.context() as m:  # past the config, to the weights
-            m.setattr(models, "model_config", lambda *_: OPTConfig())
+            m.setattr(loading, "model_config", lambda *_: OPTConfig())
             with pytest.raises(RuntimeError):
-                models.load_causal_lm(model, path, None, "fp32")
+                loading.load_causal_lm(model, path, None, "fp32")
             with pytest.raises(RuntimeError):
-                models.load_value_model(model, path, SimpleNamespace(pad_token_id=1), "fp32")
+                loading.load_value_model(model, path, SimpleNamespace(pad_token_id=1), "fp32")
     names = ["AutoTokenizer", "AutoConfig", "AutoModelForCausalLM", "AutoModelForSeqCls"]
     assert calls == [(n, False) for n in names] + [(n, True) for n in names]
 
@@ -543,7 +543,7 @@ def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
     made_under = dataclasses.asdict(preflight.validated(compose(overrides)))
     step = run_dir / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
-    from rlhf.manifest import Part
+    from rlhf.runtime.manifest import Part
 
     part = Part(step)
     part.write_text(step / "config.json", json.dumps(made_under))
@@ -576,7 +576,7 @@ def test_resuming_a_run_made_under_another_config_is_refused(tmp_path, cache_dir
 
 
 def test_what_a_resumed_run_may_change():
-    from rlhf import resume
+    from rlhf.runtime import resume
 
     saved = {"optim": {"lr": 0.001}, "step": {"log_interval": 10}, "ppo": {"eval_samples": 4}}
     same = {"optim": {"lr": 0.001}, "step": {"log_interval": 1}, "ppo": {"eval_samples": 8}}
@@ -592,7 +592,7 @@ def test_what_a_resumed_run_may_change():
 
 
 def test_resume_force_continues_whatever_the_config(tmp_path):
-    from rlhf import resume
+    from rlhf.runtime import resume
 
     _checkpoint_of(tmp_path, ["step=sft", "optim.lr=0.002"])
     current = {"optim": {"lr": 0.001}}
@@ -612,7 +612,7 @@ def test_a_stale_build_lock_is_found_and_a_live_one_left_alone(tmp_path):
     import subprocess
     import time
 
-    from rlhf import engine
+    from rlhf.runtime import engine
 
     build = tmp_path / "cpu_adam"
     build.mkdir()
@@ -668,7 +668,7 @@ def test_the_cpu_collectives_build_is_announced_and_a_stale_lock_refused(tmp_pat
     import os
     import time
 
-    from rlhf import engine
+    from rlhf.runtime import engine
 
     real = engine.shm_comm_build_dir()  # DS_ACCELERATOR=cpu: torch's build directory for them
     assert real is None or (real.name, real.parent) == (
@@ -729,15 +729,15 @@ def test_a_run_stops_at_a_stale_collectives_lock_instead_of_hanging(nproc, tmp_p
 
 
 def test_the_first_cpu_adam_build_is_announced(tmp_path, monkeypatch, caplog):
-    from rlhf import engine
+    from rlhf.runtime import engine
 
     monkeypatch.setattr(engine, "cpu_adam_build_dir", lambda: tmp_path)
-    with caplog.at_level(logging.INFO, logger="rlhf.engine"):
+    with caplog.at_level(logging.INFO, logger="rlhf.runtime.engine"):
         engine.announce_cpu_adam_build()
     assert "building DeepSpeed's CPU Adam, first time only" in caplog.text
     caplog.clear()
     (tmp_path / "cpu_adam.so").write_bytes(b"")  # built before: nothing to say
-    with caplog.at_level(logging.INFO, logger="rlhf.engine"):
+    with caplog.at_level(logging.INFO, logger="rlhf.runtime.engine"):
         engine.announce_cpu_adam_build()
     assert "building" not in caplog.text
 
@@ -877,7 +877,7 @@ def _safetensors_enospc() -> Exception:
     "full_disk", [_enospc, _safetensors_enospc], ids=["oserror", "safetensors"]
 )
 def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path, full_disk):
-    from rlhf.models import ExportError, export_pretrained
+    from rlhf.modeling.loading import ExportError, export_pretrained
 
     tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = OPTConfig(
@@ -910,8 +910,8 @@ def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path, full_d
 
 
 def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
-    from rlhf import checkpoint, files
-    from rlhf.manifest import Part
+    from rlhf.runtime import checkpoint, files
+    from rlhf.runtime.manifest import Part
 
     previous = tmp_path / "checkpoints" / "step-00000001"
     previous.mkdir(parents=True)
@@ -938,7 +938,7 @@ def test_a_full_disk_at_a_checkpoint_says_so(tmp_path, monkeypatch):
 def test_a_full_disk_at_the_first_checkpoint_counts_the_space_freed(tmp_path, monkeypatch):
     """No previous checkpoint: what was written before the disk filled is the least needed, and
     the free space is what the user has once the temporary directory is gone."""
-    from rlhf import checkpoint, files
+    from rlhf.runtime import checkpoint, files
 
     tmp = tmp_path / "checkpoints" / ".tmp-step-00000001"
 

@@ -214,19 +214,13 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
     )
 
 
-def test_python_m_benchmarks_runs_each_bench_and_the_old_command_says_where_it_went():
-    """The benches run from the checkout's root (they are not in the wheel); the old
-    ``python -m rlhf.bench`` answers one line on stderr naming the new command, and exits 2."""
+def test_python_m_benchmarks_runs_each_bench():
+    """The benches run from the checkout's root (they are not in the wheel)."""
     for sub in ([], ["rollout"], ["reference"], ["floor"]):
         command = [sys.executable, "-m", "benchmarks", *sub, "--help"]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith(f"usage: {' '.join(['python -m benchmarks', *sub])} [-h]")
-    command = [sys.executable, "-m", "rlhf.bench", "--sections", "sft"]
-    old = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert (old.returncode, old.stdout) == (2, "")
-    [line] = old.stderr.splitlines()
-    assert "python -m benchmarks" in line
 
 
 def test_every_run_imports_this_checkouts_rlhf():

@@ -1,4 +1,4 @@
-"""``python -m rlhf.chat``: a tiny OPT model saved here with the shipped tokenizer answers scripted
+"""``python -m rlhf.cli.chat``: a tiny OPT model saved here with the shipped tokenizer answers scripted
 turns, in the data's prompt format, greedily (the same answer as transformers' own generate)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.chat import Chat, cut_at_stop, turn
+from rlhf.cli.chat import Chat, cut_at_stop, turn
 from tests.conftest import REPO
 
 MAX_NEW = 12
@@ -64,7 +64,7 @@ def test_chat_answers_scripted_prompts(model_dir):
         [
             sys.executable,
             "-m",
-            "rlhf.chat",
+            "rlhf.cli.chat",
             "--path",
             str(model_dir),
             "--max-new-tokens",
@@ -114,7 +114,7 @@ def test_answer_is_cut_where_the_model_starts_a_new_turn():
 
 def test_missing_model_is_an_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.chat", "--path", str(tmp_path)],
+        [sys.executable, "-m", "rlhf.cli.chat", "--path", str(tmp_path)],
         input="",
         cwd=REPO,
         capture_output=True,
@@ -131,7 +131,7 @@ def test_a_reward_model_is_refused(tmp_path):
     reward = OPTForSequenceClassification.from_pretrained(causal, num_labels=1)
     reward.save_pretrained(tmp_path / "reward")
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.chat", "--path", str(tmp_path / "reward")],
+        [sys.executable, "-m", "rlhf.cli.chat", "--path", str(tmp_path / "reward")],
         input="What is 3 + 4?\n",
         cwd=REPO,
         capture_output=True,
@@ -169,7 +169,7 @@ def tool_caller(tmp_path_factory):
 
 
 def _chat(path, *args: str, script: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rlhf.chat", "--path", str(path), *args]
+    command = [sys.executable, "-m", "rlhf.cli.chat", "--path", str(path), *args]
     return subprocess.run(
         command, input=script, cwd=REPO, capture_output=True, text=True, timeout=300
     )

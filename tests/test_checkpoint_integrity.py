@@ -16,7 +16,7 @@ import pytest
 import torch
 import xxhash
 
-from rlhf import checkpoint, manifest, resume
+from rlhf.runtime import checkpoint, manifest, resume
 from tests.conftest import FAST, REPO, _free_port, run_rlhf
 
 

@@ -1,4 +1,4 @@
-"""``python -m rlhf.compare`` and the table it shares with the sweep summary, on run, sweep and
+"""``python -m rlhf.cli.compare`` and the table it shares with the sweep summary, on run, sweep and
 step=all dirs synthesised here (what a run writes: metrics.jsonl, summary.json, .hydra/)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rlhf import compare
+from rlhf.cli import compare
 from rlhf.tools import sweep_summary
 from tests.conftest import REPO
 
@@ -157,7 +157,7 @@ def test_a_metric_nobody_logged_makes_no_plot(runs, tmp_path, capsys):
 def test_command_line(runs, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.compare", str(runs["sweep"]), "--out", str(out)],
+        [sys.executable, "-m", "rlhf.cli.compare", str(runs["sweep"]), "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -166,7 +166,7 @@ def test_command_line(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| sweep#0 |" in proc.stdout and (out / "train_loss.png").is_file()  # default metrics
     missing = subprocess.run(
-        [sys.executable, "-m", "rlhf.compare", str(tmp_path / "nope")],
+        [sys.executable, "-m", "rlhf.cli.compare", str(tmp_path / "nope")],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -180,7 +180,7 @@ def test_an_out_that_is_a_file_is_one_line_and_left_as_it_is(runs, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("mine\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.compare", str(runs["a"]), "--out", str(notes)],
+        [sys.executable, "-m", "rlhf.cli.compare", str(runs["a"]), "--out", str(notes)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,8 +12,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlhf.checks.validate import validated
 from rlhf.config import Config, ConfigError, register_configs
-from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     REPO,
@@ -337,7 +337,7 @@ def test_the_names_the_checks_accept_are_the_registrys():
 
 
 def test_vllm_rollouts_where_vllm_is_missing_are_refused_before_any_model(monkeypatch):
-    from rlhf import validate
+    from rlhf.checks import validate
 
     monkeypatch.setattr(validate, "vllm_problem", lambda: "vLLM is not installed here")
     config = validated(compose(["step=all", "ppo.rollout_engine=vllm"]))
@@ -372,14 +372,14 @@ def test_compose_time_errors(override, named):
 
 
 def test_every_key_has_a_meaning_and_the_reference_is_current():
-    from rlhf import help as key_help
+    from rlhf.cli import help as key_help
 
     defaults = OmegaConf.to_container(OmegaConf.structured(Config))
     undocumented = [key for key, _, meaning in key_help.reference(defaults) if not meaning]
     assert undocumented == []
     reference = REPO / "docs" / "config.md"
     assert reference.read_text() == key_help.markdown(), (
-        "docs/config.md is stale: python -m rlhf.help > docs/config.md"
+        "docs/config.md is stale: python -m rlhf.cli.help > docs/config.md"
     )
 
 

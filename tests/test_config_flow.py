@@ -1,4 +1,4 @@
-"""One rule for the keys PPO's models share with the top level (rlhf/roles.py): a top-level
+"""One rule for the keys PPO's models share with the top level (rlhf/config/sharing.py): a top-level
 ``zero.*``, ``lora.*``, ``optim.*`` or ``model.*`` value reaches the actor and the critic unless
 set for the role, in step=ppo and in step=all's PPO step, or is refused by name; ``--cfg job``
 shows the result. The slow test sweeps zero.offload and lora.rank through both and reads what
@@ -14,10 +14,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from rlhf.checks.validate import dropout_problems, validated
 from rlhf.config import ConfigError, register_configs
-from rlhf.roles import SHARED_GROUPS, share_command_line, shared_keys, unread_problems
+from rlhf.config.sharing import SHARED_GROUPS, share_command_line, shared_keys, unread_problems
 from rlhf.steps.all import compose_steps, path_override
-from rlhf.validate import dropout_problems, validated
 from tests.conftest import CONF_DIR, FAST, cache_overrides, compose, run_rlhf
 
 register_configs()
@@ -250,9 +250,9 @@ def test_cfg_job_of_a_real_model_under_grpo_has_deepspeed_chats_sizes():
 def test_the_tuning_is_chosen_by_the_model_option_and_never_read_from_disk(tmp_path, monkeypatch):
     """Which values run follows model=, never a probe of a model directory; a directory that is
     not the embedded model under model=tiny is refused, naming the fix."""
-    from rlhf import validate
+    from rlhf.checks import validate
     from rlhf.config import TINY_VOCAB_SIZE
-    from rlhf.models import tiny_model_dir
+    from rlhf.modeling.loading import tiny_model_dir
 
     tiny = tiny_model_dir(compose().model, str(tmp_path / "cache"))
     assert yaml.safe_load((tiny / "config.json").read_text())["vocab_size"] == TINY_VOCAB_SIZE

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlhf import algos, registry
+from rlhf.checks.validate import validated
 from rlhf.config import TINY_VOCAB_SIZE, ConfigError, register_configs, to_config
-from rlhf.rl.advantages import Shaping
 from rlhf.rl.experience import (
     Collector,
     Experience,
@@ -24,7 +24,7 @@ from rlhf.rl.experience import (
 )
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.rollouts import HFDecoder
-from rlhf.validate import validated
+from rlhf.rl.shaping import Shaping
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
 
@@ -367,7 +367,7 @@ def test_the_grpo_family_keeps_empty_answers_in_its_loss(algo, PPO):
 
 
 def test_dapos_overlong_buffer_is_a_fifth_of_the_answer_budget_unless_given(tmp_path):
-    from rlhf.rl.advantages import overlong_buffer
+    from rlhf.rl.shaping import overlong_buffer
 
     assert (overlong_buffer(None, 256), overlong_buffer(None, 32), overlong_buffer(8, 32)) == (
         51,

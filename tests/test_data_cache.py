@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import DataConfig, SourceConfig
-from rlhf.data import pipeline, sources
-from rlhf.data.pipeline import phase_dataset
+from rlhf.data import prepare, sources
+from rlhf.data.prepare import phase_dataset
 from rlhf.tasks import Grade, toy
 
 NUM_ROWS = 300
@@ -56,13 +56,13 @@ def _data(path: Path, cache: Path, **overrides) -> DataConfig:
 def builds(monkeypatch) -> list[tuple]:
     """Records every call of the (expensive) builder."""
     calls = []
-    original = pipeline._build
+    original = prepare._build
 
     def counting(data, phase, split, tokenizer, eot):
         calls.append((phase, split))
         return original(data, phase, split, tokenizer, eot)
 
-    monkeypatch.setattr(pipeline, "_build", counting)
+    monkeypatch.setattr(prepare, "_build", counting)
     return calls
 
 
@@ -221,21 +221,21 @@ def test_phases_and_splits_are_disjoint(tmp_path, pairs_file, tokenizer):
     eot = tokenizer.eos_token_id
     prompts = {
         (phase, split): phase_dataset(data, phase, split, tokenizer, eot)["prompt"]
-        for phase in pipeline.PHASES
+        for phase in prepare.PHASES
         for split in ("train", "eval")
     }
     for split in ("train", "eval"):
-        sets = [set(prompts[phase, split]) for phase in pipeline.PHASES]
-        assert sum(map(len, sets)) == sum(len(prompts[p, split]) for p in pipeline.PHASES)
+        sets = [set(prompts[phase, split]) for phase in prepare.PHASES]
+        assert sum(map(len, sets)) == sum(len(prompts[p, split]) for p in prepare.PHASES)
         for a in range(3):
             for b in range(a + 1, 3):
                 assert not sets[a] & sets[b], (split, a, b)
-    train = set().union(*(prompts[p, "train"] for p in pipeline.PHASES))
-    evals = set().union(*(prompts[p, "eval"] for p in pipeline.PHASES))
+    train = set().union(*(prompts[p, "train"] for p in prepare.PHASES))
+    evals = set().union(*(prompts[p, "eval"] for p in prepare.PHASES))
     assert not train & evals
     assert len(train) + len(evals) == NUM_ROWS  # together every row, once
     # shares follow phase_split 2:4:4
-    sizes = [len(prompts[p, "train"]) for p in pipeline.PHASES]
+    sizes = [len(prompts[p, "train"]) for p in prepare.PHASES]
     assert sizes == [54, 108, 108]
 
 
@@ -272,7 +272,7 @@ def test_answers_end_with_end_of_text_unless_cut(tmp_path, tokenizer):
     out = [
         row
         for split in ("train", "eval")
-        for phase in pipeline.PHASES
+        for phase in prepare.PHASES
         for row in phase_dataset(data, phase, split, tokenizer, eot)
     ]
     assert len(out) == 40
@@ -307,7 +307,7 @@ def test_counts_are_logged_on_every_run_for_one_scope(tmp_path, tokenizer, caplo
     runs = []
     for _ in range(2):  # the second run finds the entry in the cache
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="rlhf.data.pipeline"):
+        with caplog.at_level(logging.INFO, logger="rlhf.data.prepare"):
             phase_dataset(data, "sft", "eval", tokenizer, eot)
         runs.append(_data_lines(caplog))
     assert len(builds) == 1
@@ -331,13 +331,13 @@ def test_a_saved_dataset_source_is_cached_outside_its_folder(tmp_path, tokenizer
     cache = tmp_path / "cache"
     data = _data(folder, cache)
     eot = tokenizer.eos_token_id
-    out = [phase_dataset(data, p, "train", tokenizer, eot) for p in pipeline.PHASES]
+    out = [phase_dataset(data, p, "train", tokenizer, eot) for p in prepare.PHASES]
     assert sum(map(len, out)) == 54  # 60 rows less the 6 carved out for eval
     assert sorted(p.name for p in folder.rglob("*")) == before  # nothing written beside the data
     assert len(_dirs(cache)) == 3
     # the key covers the folder's files: an added file is a new entry
     (folder / "README.md").write_text("notes")
-    key = pipeline.cache_key(data, "sft", "train", tokenizer, eot)
+    key = prepare.cache_key(data, "sft", "train", tokenizer, eot)
     assert not any(d.endswith(key[:20]) for d in _dirs(cache))
 
 
@@ -350,10 +350,10 @@ def test_the_other_ranks_take_rank_0s_key_and_never_build(tmp_path, tokenizer, m
     datasets.Dataset.from_list(_unique_rows(60)).save_to_disk(str(folder))
     data = _data(folder, tmp_path / "cache")
     eot = tokenizer.eos_token_id
-    key = pipeline.cache_key(data, "sft", "train", tokenizer, eot)
+    key = prepare.cache_key(data, "sft", "train", tokenizer, eot)
     built = phase_dataset(data, "sft", "train", tokenizer, eot)  # rank 0's entry
     (folder / "notes.txt").write_text("added after rank 0 looked")  # this rank's key would differ
-    assert pipeline.cache_key(data, "sft", "train", tokenizer, eot) != key
+    assert prepare.cache_key(data, "sft", "train", tokenizer, eot) != key
     sent = []
 
     def from_rank_0(value):
@@ -366,10 +366,10 @@ def test_the_other_ranks_take_rank_0s_key_and_never_build(tmp_path, tokenizer, m
     def no_build(*args):
         raise AssertionError("only rank 0 builds")
 
-    monkeypatch.setattr(pipeline, "is_main", lambda: False)
-    monkeypatch.setattr(pipeline, "from_main", from_rank_0)
-    monkeypatch.setattr(pipeline, "cache_key", no_key)
-    monkeypatch.setattr(pipeline, "_build", no_build)
+    monkeypatch.setattr(prepare, "is_main", lambda: False)
+    monkeypatch.setattr(prepare, "from_main", from_rank_0)
+    monkeypatch.setattr(prepare, "cache_key", no_key)
+    monkeypatch.setattr(prepare, "_build", no_build)
     rows = phase_dataset(data, "sft", "train", tokenizer, eot)
     assert sent == [None] and rows["prompt_ids"] == built["prompt_ids"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from rlhf.checks.validate import validated
 from rlhf.config import register_configs
-from rlhf.validate import validated
 from tests.conftest import CONF_DIR, REPO, compose
 
 register_configs()

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from rlhf import algos
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, DPOConfig, register_configs
 from rlhf.data.collate import pair_batch
-from rlhf.evaluation import answer_logprobs, preference_terms
+from rlhf.evaluators.held_out import answer_logprobs, preference_terms
 from rlhf.steps.all import compose_steps, exports
-from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     FAST,

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from rlhf import tasks
+from rlhf.cli.help import field_meanings
 from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.evaluation import gold_metrics, gold_sums, grade
-from rlhf.help import field_meanings
+from rlhf.evaluators.held_out import gold_metrics, gold_sums, grade
 from rlhf.rl import env_calls
 from rlhf.rl.episodes import EpisodeTally, episode_scores, observation_ids
 from rlhf.rl.generation import Sampling
@@ -107,7 +107,7 @@ def test_a_grade_that_raises_grades_the_answer_wrong_counted_and_warned_once(cap
 
     metrics = gold_metrics(gold_sums(grades))
     assert metrics["eval/grade_errors"] == 0.5 and metrics["eval/gold_accuracy"] == 0.25
-    [line] = warnings(caplog, "rlhf.evaluation")
+    [line] = warnings(caplog, "rlhf.evaluators.held_out")
     assert line.startswith("task picky: grade raised ValueError: invalid literal for int()")
     assert line.endswith("(x1): 2 of 4 answers graded wrong (eval/grade_errors)")
 
@@ -187,7 +187,7 @@ def test_chat_env_with_a_step_of_the_wrong_kind_is_one_line(tmp_path):
     """The chat model always ends its turn at once: the step answers that turn."""
     model = _save_tiny(tmp_path / "model", always_end=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.chat", "--path", str(model), "--env", CHAT_ENV],
+        [sys.executable, "-m", "rlhf.cli.chat", "--path", str(model), "--env", CHAT_ENV],
         input="Hello?\n",
         cwd=REPO,
         capture_output=True,

@@ -12,10 +12,10 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.dist import free_port
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores, turn_length
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Rollout, Sampling, generate
+from rlhf.runtime.dist import free_port
 from rlhf.tasks import Episode, Step
 from tests.conftest import REPO
 

@@ -1,4 +1,4 @@
-"""python -m rlhf.evaluate reward: the reward step's evaluation table without training."""
+"""python -m rlhf.cli.evaluate reward: the reward step's evaluation table without training."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.evaluate import PooledScore, composed, evaluate_reward, main, scoring_model
+from rlhf.cli.evaluate import PooledScore, composed, evaluate_reward, main, scoring_model
 from tests.conftest import FAST, REPO, cache_overrides, read_summary, run_rlhf
 
 DATA = [o for o in FAST if o.startswith("data.")]
 
 
 def evaluate_cmd(path: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "rlhf.evaluate", "reward", "--path", str(path), *overrides]
+    return [sys.executable, "-m", "rlhf.cli.evaluate", "reward", "--path", str(path), *overrides]
 
 
 def test_the_table_is_the_reward_runs_own(tmp_path, cache_dir):
@@ -64,7 +64,7 @@ def _classifier(path: Path, labels: int, vocab_size: int = 1280) -> Path:
 def test_a_pooled_classifier_scores_each_row_with_its_own_logit(tmp_path, cache_dir):
     path = _classifier(tmp_path / "deberta", labels=1)
     cfg = composed(str(path), [*DATA, *cache_overrides(cache_dir)])
-    from rlhf.models import load_tokenizer
+    from rlhf.modeling.loading import load_tokenizer
 
     model = scoring_model(cfg, str(path), load_tokenizer(cfg.model, str(path)))
     assert isinstance(model, PooledScore)
@@ -124,7 +124,7 @@ def test_an_sft_export_is_said_to_be_a_causal_lm(tmp_path, capsys):
     path = _causal_lm(tmp_path / "sft" / "model")
     assert _refused(path, capsys) == (
         f"error: --path={path}: a causal LM (OPTForCausalLM in its config.json), not a reward "
-        "model; rlhf.evaluate reward scores answers with it: give a reward export "
+        "model; rlhf.cli.evaluate reward scores answers with it: give a reward export "
         "(RUN/reward/model)"
     )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf import engine
+from rlhf.runtime import engine
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_the_build_folders_and_the_first_build_note_are_the_environments(no_user
     assert collectives is None or collectives.parent == adam.parent
     if installed_ops.get(engine.CPU_ADAM):
         return  # built with DeepSpeed: no note to print
-    with caplog.at_level(logging.INFO, logger="rlhf.engine"):
+    with caplog.at_level(logging.INFO, logger="rlhf.runtime.engine"):
         engine.announce_cpu_adam_build()
     assert f"building DeepSpeed's CPU Adam, first time only (about a minute) in {adam}" in (
         caplog.text

@@ -29,10 +29,10 @@ from rlhf.data.packing import (
     shared_prompt_mask,
     shared_prompt_pair_batch,
 )
-from rlhf.models import ValueModel
-from rlhf.rl.advantages import Shaping
+from rlhf.modeling.loading import ValueModel
 from rlhf.rl.experience import make_experience, response_logprobs, response_values
 from rlhf.rl.generation import Sampling, generate
+from rlhf.rl.shaping import Shaping
 
 PAD, VOCAB, MAX_LEN = 1, 96, 48
 CPU = torch.device("cpu")
@@ -589,7 +589,7 @@ def test_held_out_answers_are_decoded_dropping_finished_rows_as_rollouts_are(key
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_packing_is_on_for_the_architectures_whose_attention_takes_the_block_mask(arch):
-    from rlhf.models import block_mask_problem
+    from rlhf.modeling.loading import block_mask_problem
 
     for attn in ("eager", "lean_eager", "sdpa"):
         lm = tiny_lm(attn=attn) if arch == "opt" else tiny_llama(attn)
@@ -612,8 +612,8 @@ def test_packing_is_on_for_the_architectures_whose_attention_takes_the_block_mas
 
 def test_ppo_packing_is_refused_where_asked_for_and_a_model_takes_no_mask():
     from rlhf.config import ConfigError
-    from rlhf.models import fast_path
-    from rlhf.rl.models import Models
+    from rlhf.modeling.loading import fast_path
+    from rlhf.rl.ppo_models import Models
     from rlhf.steps.ppo import packing_problem
 
     assert packing_problem(Models(tiny_lm(), tiny_lm(), None, tiny_scorer(), None, None)) is None
@@ -629,7 +629,7 @@ def test_ppo_packing_is_refused_where_asked_for_and_a_model_takes_no_mask():
 def test_packing_falls_back_to_padded_rows_where_the_mask_is_not_taken():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rlhf.models import block_mask_problem
+    from rlhf.modeling.loading import block_mask_problem
 
     lm = tiny_lm()
     lm.config._attn_implementation = "flash_attention_2"  # takes no 4D mask

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf import help as key_help
 from rlhf.__main__ import print_help
+from rlhf.cli import help as key_help
 
 
 def _help(capsys, *args: str) -> list[str]:

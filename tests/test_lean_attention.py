@@ -1,4 +1,4 @@
-"""``lean_eager`` attention (rlhf/attention.py) computes what transformers' eager attention
+"""``lean_eager`` attention (rlhf/modeling/attention.py) computes what transformers' eager attention
 computes: the same forward, the same gradients (to the rounding of the bf16 probabilities it
 keeps), and sdpa's kernel where no gradient is taken. Models loading and training with it:
 tests/test_model_fast_paths.py."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.opt.modeling_opt import eager_attention_forward
 
-from rlhf import attention as lean
+from rlhf.modeling import attention as lean
 
 B, H, T, D = 3, 4, 24, 8
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from rlhf import locks
+from rlhf.runtime import locks
 from tests.conftest import FAST, REPO, noflock_env, read_metrics, run_rlhf
 
 
@@ -120,7 +120,7 @@ def test_eagain_alone_means_held(tmp_path, monkeypatch):
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhf import locks
+from rlhf.runtime import locks
 locks.HEARTBEAT_S = 0.2
 with locks.sole_user(Path(sys.argv[1])):
     print("held", flush=True)

@@ -12,7 +12,13 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from rlhf.config import ConfigError, ModelConfig, register_configs, to_config
-from rlhf.models import attention, fast_path, load_causal_lm, load_value_model, log_attention
+from rlhf.modeling.loading import (
+    attention,
+    fast_path,
+    load_causal_lm,
+    load_value_model,
+    log_attention,
+)
 from rlhf.steps.reward import share_prompt_problem
 from rlhf.steps.sft import packing_problem
 from tests.conftest import compose
@@ -40,7 +46,7 @@ def test_attention_is_the_users_or_the_faster_one_for_the_shapes(
 
 
 def test_only_the_automatic_choice_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="rlhf.models"):
+    with caplog.at_level(logging.INFO, logger="rlhf.modeling.loading"):
         log_attention("SFT", "eager", ModelConfig())
         log_attention("SFT", "eager", ModelConfig(attn_implementation="eager"))
         log_attention("SFT", None, ModelConfig())
@@ -115,7 +121,7 @@ def test_the_attentions_load_the_same_model(tiny_dir, dtype, tolerance):
 
 
 def test_lean_eager_trains_as_eager_does(tiny_dir):
-    """Its training path (rlhf/attention.py; tests/test_lean_attention.py checks the function):
+    """Its training path (rlhf/modeling/attention.py; tests/test_lean_attention.py checks the function):
     the same logits and gradients as eager in fp32, for the causal LM and the value model."""
     path, tokenizer = tiny_dir
     ids = torch.randint(3, len(tokenizer), (3, 20), generator=torch.Generator().manual_seed(1))
@@ -148,7 +154,7 @@ def test_lean_eager_trains_as_eager_does(tiny_dir):
     [(None, None, True), (True, None, True), (False, None, False), (None, "why", False)],
 )
 def test_a_fast_path_is_on_where_it_applies_unless_turned_off(requested, problem, on, caplog):
-    with caplog.at_level(logging.INFO, logger="rlhf.models"):
+    with caplog.at_level(logging.INFO, logger="rlhf.modeling.loading"):
         assert fast_path("sft.packing", requested, problem) is on
     # one line says why null stayed off; nothing otherwise
     assert caplog.messages == (["sft.packing: off (why)"] if problem else [])

@@ -126,7 +126,7 @@ def test_a_run_dir_per_node_is_refused_before_any_work(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhf.locks import exclusive
+from rlhf.runtime.locks import exclusive
 with exclusive(Path(sys.argv[1]), "the test's step", wait_s=600, poll_s=0.1):
     print("holding", flush=True)
     time.sleep(300)
@@ -174,15 +174,15 @@ def _has_output(proc: subprocess.Popen) -> bool:
 
 
 def test_one_rank_needs_no_shared_dir_check(tmp_path):
-    from rlhf import dist
+    from rlhf.runtime import dist
 
     assert dist.unshared_dirs({"run": tmp_path / "nowhere"}) == {}
     assert not (tmp_path / "nowhere").exists()
 
 
 def test_the_checks_message_names_every_key(monkeypatch, tmp_path):
-    from rlhf import checkpoint
     from rlhf.config import ConfigError
+    from rlhf.runtime import checkpoint
 
     unshared = {"hydra.run.dir": "rank 1 on n2 cannot see what rank 0 writes there"}
     monkeypatch.setattr(checkpoint, "unshared_dirs", lambda dirs: unshared)

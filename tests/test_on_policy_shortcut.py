@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlhf import registry
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, register_configs, to_config
 from rlhf.rl.experience import (
     make_experience,
@@ -24,7 +25,6 @@ from rlhf.rl.experience import (
 )
 from rlhf.steps.loop import NonFiniteGuard, TrainState
 from rlhf.steps.ppo_update import ppo_update
-from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
 from tests.test_critic_free import CPU, GROUP_PROMPTS, GROUP_RESPONSES, PPO, SHAPING, LengthReward

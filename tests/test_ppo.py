@@ -13,8 +13,7 @@ from transformers import OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
 from rlhf.data.collate import left_pad, right_pad
-from rlhf.models import ValueModel, scale_value_head
-from rlhf.rl.advantages import Shaping
+from rlhf.modeling.loading import ValueModel, scale_value_head
 from rlhf.rl.experience import (
     Experience,
     concat,
@@ -25,6 +24,7 @@ from rlhf.rl.experience import (
     whiten_advantages,
 )
 from rlhf.rl.generation import Rollout, response_mask
+from rlhf.rl.shaping import Shaping
 
 PAD, BOS, EOS = 0, 1, 2
 G = 1e30  # large finite garbage at masked positions

@@ -29,12 +29,12 @@ import torch
 from transformers import GenerationConfig, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
+from rlhf.checks.validate import dropout_problems
 from rlhf.config import ConfigError, LoraConfig, ModelConfig, PPOConfig, register_configs, to_config
 from rlhf.data.collate import left_pad, right_pad
-from rlhf.models import ValueModel, apply_lora
+from rlhf.modeling.loading import ValueModel, apply_lora
 from rlhf.rl import ema as ema_module
 from rlhf.rl import ptx as ptx_module
-from rlhf.rl.advantages import Shaping, penalised_scores
 from rlhf.rl.ema import EMA
 from rlhf.rl.experience import (
     Collector,
@@ -44,7 +44,7 @@ from rlhf.rl.experience import (
     uses_rollout_logprobs,
 )
 from rlhf.rl.generation import Rollout, Sampling, generate
-from rlhf.rl.models import (
+from rlhf.rl.ppo_models import (
     active_dropouts,
     causal_lm_class,
     end_of_text_problem,
@@ -52,7 +52,7 @@ from rlhf.rl.models import (
     refuse_dropout,
 )
 from rlhf.rl.rollouts import HFDecoder
-from rlhf.validate import dropout_problems
+from rlhf.rl.shaping import Shaping, penalised_scores
 from tests.conftest import compose, read_metrics
 from tests.test_ppo import Trained
 
@@ -491,7 +491,7 @@ def test_the_entropy_graph_is_built_only_when_it_is_trained(entropy_coef, monkey
 
 
 def test_a_checkpoint_holds_the_recipes_own_files(tmp_path):
-    from rlhf import checkpoint
+    from rlhf.runtime import checkpoint
 
     def write(directory: Path) -> list[Path]:
         (directory / "ema-rank0.pt").write_text("slice")
@@ -577,8 +577,8 @@ def test_launch_refuses_lora_dropout_and_a_reward_model_with_another_end_token(t
     """The checks run from the config and the model directories, before any model is built."""
     import shutil
 
-    from rlhf.models import tiny_model_dir
-    from rlhf.validate import check_launch
+    from rlhf.checks.validate import check_launch
+    from rlhf.modeling.loading import tiny_model_dir
 
     actor = tiny_model_dir(ModelConfig(), str(tmp_path / "cache"))
     critic = tmp_path / "reward"

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import OPTConfig, OPTForCausalLM
 
+from rlhf.checks.validate import validated
 from rlhf.config import ActorConfig, ConfigError, CriticConfig, LoraConfig, register_configs
-from rlhf.models import AdaptersOff, apply_lora, reference_is_base
-from rlhf.validate import validated
+from rlhf.modeling.loading import AdaptersOff, apply_lora, reference_is_base
 from tests.conftest import FAST, cache_overrides, compose, read_metrics, read_summary, run_rlhf
 
 register_configs()

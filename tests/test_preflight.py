@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from rlhf.checks.preflight import check_output_dir, check_override_syntax, check_yaml_files
 from rlhf.config import ConfigError
-from rlhf.preflight import check_output_dir, check_override_syntax, check_yaml_files
 from tests.conftest import REPO, run_rlhf
 
 NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
@@ -31,7 +31,7 @@ def test_a_yaml_syntax_error_names_the_file_the_line_and_the_parser_message(tmp_
 
 
 def test_the_shipped_config_files_parse():
-    from rlhf.help import CONF_DIR
+    from rlhf.cli.help import CONF_DIR
 
     check_yaml_files([CONF_DIR, CONF_DIR.parent / "sweeps"])
 

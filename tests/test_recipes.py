@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from rlhf.checks.validate import validated
 from rlhf.config import Config, ConfigError, register_configs
 from rlhf.steps.all import step_overrides
-from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     SWEEPS_DIR,

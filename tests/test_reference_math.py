@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlhf import algos, registry
+from rlhf.checks.validate import validated
 from rlhf.config import PPOConfig, register_configs
 from rlhf.rl.experience import whiten_advantages
-from rlhf.validate import validated
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
 

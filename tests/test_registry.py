@@ -12,8 +12,8 @@ import torch
 
 from rlhf import registry
 from rlhf.__main__ import print_help
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, to_config
-from rlhf.validate import validated
 from tests import test_critic_free as critic_free
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose

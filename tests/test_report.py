@@ -78,8 +78,8 @@ def test_a_step_report_lists_exports_and_the_next_commands(tmp_path):
     assert lines[0].endswith(f" (1 min 29 s in the step itself): {tmp_path}")
     assert f"  exports: {actor}, {critic}" in lines
     assert "  alarms: none" in lines
-    assert any(f"python -m rlhf.chat --path {actor}" in ln for ln in lines)
-    assert any(f"python -m rlhf.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
+    assert any(f"python -m rlhf.cli.chat --path {actor}" in ln for ln in lines)
+    assert any(f"python -m rlhf.cli.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
     inside = report.step_report("ppo", tmp_path, PPO_SUMMARY, in_pipeline=True)
     assert inside.startswith(f"rlhf: step=ppo finished in 1 min 29 s: {tmp_path}")
     assert "next:" not in inside  # step=all runs the next step itself
@@ -102,8 +102,8 @@ def test_the_pipeline_report_covers_every_step(tmp_path):
     assert any("held-out perplexity" in ln and "9 -> 1.15 (-7.85)" in ln for ln in lines)
     assert "    ! reward: the reward model ranks held-out pairs near chance (0.52)" in lines
     assert f"  exports: {sft / 'model'}, {reward / 'model'}, {ppo / 'actor'}" in lines
-    assert any(f"python -m rlhf.chat --path {ppo / 'actor'}" in ln for ln in lines)
-    assert any(f"python -m rlhf.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
+    assert any(f"python -m rlhf.cli.chat --path {ppo / 'actor'}" in ln for ln in lines)
+    assert any(f"python -m rlhf.cli.compare {tmp_path} OTHER_RUN" in ln for ln in lines)
 
 
 @pytest.mark.slow
@@ -141,8 +141,8 @@ def test_a_short_step_all_ends_with_its_report(tmp_path, cache_dir):
     exports = [run_dir / "sft" / "model", run_dir / "reward" / "model", run_dir / "ppo" / "actor"]
     assert all(str(p) in ended for p in exports)
     # the next command printed runs: chat with the trained actor
-    [chat] = [ln.split("#")[0].split() for ln in lines if "rlhf.chat" in ln]
-    assert chat[:3] == ["python", "-m", "rlhf.chat"] and chat[-1] == str(exports[-1])
+    [chat] = [ln.split("#")[0].split() for ln in lines if "rlhf.cli.chat" in ln]
+    assert chat[:3] == ["python", "-m", "rlhf.cli.chat"] and chat[-1] == str(exports[-1])
     proc = subprocess.run(
         [sys.executable, *chat[1:], "--max-new-tokens", "4"],
         input="What is 2 + 3?\nquit\n",
@@ -174,11 +174,11 @@ def test_next_commands_paste_back_to_the_paths(tmp_path, name):
     for step, exports in cases.items():
         for command, _ in report.next_commands(step, run_dir, exports):
             words = shlex.split(command)
-            if words[:3] == ["python", "-m", "rlhf.chat"]:
+            if words[:3] == ["python", "-m", "rlhf.cli.chat"]:
                 assert words[3:] == ["--path", str(exports[0])]
-            elif words[:3] == ["python", "-m", "rlhf.compare"]:
+            elif words[:3] == ["python", "-m", "rlhf.cli.compare"]:
                 assert words[3:] == [str(run_dir), "OTHER_RUN"]
-            elif words[:3] == ["python", "-m", "rlhf.evaluate"]:
+            elif words[:3] == ["python", "-m", "rlhf.cli.evaluate"]:
                 assert words[3:] == ["reward", "--path", str(exports[0]), "data=OTHER"]
             else:
                 overrides = {o.key_or_group: o.value() for o in parser.parse_overrides(words[3:])}

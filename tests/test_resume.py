@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.engine import skippable
+from rlhf.runtime.engine import skippable
 from rlhf.steps.loop import NonFiniteGuard, TrainingStopped
 from tests.conftest import FAST, REPO, cache_overrides, read_metrics, read_summary, run_rlhf
 

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import DataConfig, SourceConfig
-from rlhf.data.pipeline import phase_dataset
-from rlhf.evaluation import scored_pairs
-from rlhf.reward_metrics import (
+from rlhf.data.prepare import phase_dataset
+from rlhf.evaluators.held_out import scored_pairs
+from rlhf.evaluators.pair_metrics import (
     ScoredPair,
     correlation,
     expected_calibration_error,

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rlhf.__main__ import RUN_LOCK
-from rlhf.locks import sole_user
+from rlhf.runtime.locks import sole_user
 from tests.conftest import FAST, REPO, run_rlhf
 
 SHORT = ["step=sft", *FAST, "step.max_steps=2", "step.eval_interval=0"]
@@ -51,7 +51,7 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhf.locks import sole_user
+from rlhf.runtime.locks import sole_user
 with sole_user(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf.algos import causal_lm_nll_sum
 from rlhf.config import Config
 from rlhf.data.collate import count_targets, sft_batch
-from rlhf.data.pipeline import phase_dataset
-from rlhf.models import end_of_text_id
+from rlhf.data.prepare import phase_dataset
+from rlhf.modeling.loading import end_of_text_id
 from rlhf.rl.generation import Sampling, decode_responses, generate
 from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
 

@@ -9,9 +9,9 @@ import os
 import hydra
 import pytest
 
+from rlhf.checks.validate import validated
 from rlhf.config import register_configs
 from rlhf.steps.all import _link, compose_steps, shared_dirs
-from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     FAST,

@@ -26,9 +26,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlhf import dist
 from rlhf.__main__ import _run_time_str
 from rlhf.config import register_configs
+from rlhf.runtime import dist
 from rlhf.tools import slurm
 from tests.conftest import REPO, SWEEPS_DIR, cache_overrides, compose, compose_sweep
 from tests.scale_out import (

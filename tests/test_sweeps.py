@@ -19,9 +19,9 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf
 
+from rlhf.checks.validate import validated
 from rlhf.config import TINY_VOCAB_SIZE, register_configs
 from rlhf.tools import launcher as mechanics
-from rlhf.validate import validated
 from tests.conftest import (
     CONF_DIR,
     FAST,
@@ -313,7 +313,7 @@ def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_di
             hydra_yaml = OmegaConf.load(Path(row["path"]) / ".hydra" / "hydra.yaml")
             assert Path(hydra_yaml.hydra.sweep.dir) == sweep_dir
 
-    from rlhf import compare
+    from rlhf.cli import compare
 
     out = tmp_path / "cmp"
     assert compare.main([str(sweep_dir), "--metrics", "train/loss", "--out", str(out)]) == 0

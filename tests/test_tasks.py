@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, DataConfig, SourceConfig, register_configs
-from rlhf.data.pipeline import phase_dataset
-from rlhf.evaluation import checkable_rows, grade
+from rlhf.data.prepare import phase_dataset
+from rlhf.evaluators.held_out import checkable_rows, grade
 from rlhf.tasks import Grade
-from rlhf.validate import validated
 from tests.conftest import FAST, cache_overrides, compose, read_summary, run_rlhf
 
 

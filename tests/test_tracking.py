@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import wandb
 
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, LoggerConfig, register_configs
 from rlhf.tools import declare_inputs, sweep_summary, wandb_sweep
 from rlhf.tools.sweep_summary import HEADLINE as TABLE_HEADLINE
 from rlhf.tracking import Tracker, lineage
 from rlhf.tracking.wandb_run import HEADLINE, STEP_METRIC, changed_keys, run_tags, short_tag
-from rlhf.validate import validated
 from tests.conftest import FAST, cache_overrides, compose, read_metrics, run_rlhf
 
 register_configs()  # the schema Hydra composes against, as the entry point registers it

@@ -13,11 +13,11 @@ from rank_report import report  # tests/, the script's own directory
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config import MultiTurnConfig
-from rlhf.dist import init_distributed, rank, teardown
 from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling
 from rlhf.rl.rollouts import ModuleDecoder
+from rlhf.runtime.dist import init_distributed, rank, teardown
 from rlhf.tasks import Episode, Step
 
 

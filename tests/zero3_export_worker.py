@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.dist import init_distributed, rank
-from rlhf.models import export_pretrained, full_state_dict
+from rlhf.modeling.loading import export_pretrained, full_state_dict
+from rlhf.runtime.dist import init_distributed, rank
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ from rank_report import report  # tests/, the script's own directory
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config import LoraConfig
-from rlhf.dist import init_distributed, rank
-from rlhf.models import apply_lora
+from rlhf.modeling.loading import apply_lora
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights
+from rlhf.runtime.dist import init_distributed, rank
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ before any model is built.
 YAML files under ``conf/`` hold values only; these dataclasses are registered in Hydra's
 ConfigStore, so an unknown key or a value of the wrong type is refused while composing.
 :func:`to_config` then checks the semantics (ranges, divisibility, combinations) and reports
-every problem with its full key path; ``rlhf.validate`` adds the checks that need the file
+every problem with its full key path; ``rlhf.checks.validate`` adds the checks that need the file
 system, the data adapters or the tasks.
 
 One source of defaults: the defaults below are what a plain ``python -m rlhf`` uses. YAML

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
-# lean_eager is rlhf's (rlhf/attention.py): eager's matmuls in training, sdpa without a gradient
+# lean_eager is rlhf's (rlhf/modeling/attention.py): eager's matmuls in training, sdpa without a gradient
 ATTENTIONS = (
     "eager",
     "lean_eager",
@@ -17,7 +17,7 @@ ATTENTIONS = (
 )
 
 
-# the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.models.tiny_model_dir): no
+# the shipped tokenizer's tokens rounded up to a multiple of 8 (rlhf.modeling.loading.tiny_model_dir): no
 # real model has so few, so a model directory of over twice this is not the embedded model
 TINY_VOCAB_SIZE = 1280
 # model=tiny: the embedded model's option and name, which selects conf/tuning/tiny/

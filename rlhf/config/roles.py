@@ -14,7 +14,7 @@ from rlhf.config.zero import ZeroConfig
 class RoleConfig:
     """One trained PPO model: its own model, ZeRO, LoRA and optimizer settings. Each key is the
     top-level one (zero.offload, lora.rank, optim.lr, model.dtype ...) unless set for the role
-    (conf/config.yaml, rlhf/roles.py); which model it is (path, tokenizer, dropout) is its own.
+    (conf/config.yaml, rlhf/config/sharing.py); which model it is (path, tokenizer, dropout) is its own.
     The frozen model beside it (the actor's reference model, the critic's reward model) loads
     at the same ZeRO stage."""
 

@@ -107,7 +107,7 @@ def schema_keys(node_type: Any = Config, prefix: str = "") -> list[str]:
 
 
 # keys that had another name: old -> new, refused naming the new one (on the command line, in
-# a YAML file: rlhf.preflight, in a composed config)
+# a YAML file: rlhf.checks.preflight, in a composed config)
 RENAMED_KEYS = {
     "actor.twin_path": "actor.reference_path",
     "actor.offload_twin": "actor.offload_reference",

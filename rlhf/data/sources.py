@@ -72,10 +72,11 @@ from typing import Any
 
 import datasets
 
-from rlhf import paths, tasks
+from rlhf import tasks
 from rlhf.config import ConfigError
 from rlhf.data import local
 from rlhf.data.split import train_eval_indices
+from rlhf.runtime import paths
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 # a pair of answers whose preference a label or two scores give (SHP's, webgpt's layout)
@@ -337,7 +338,7 @@ GENERATED = ("toy", "task")  # adapters whose rows a task generates
 
 
 def looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub dataset id: the models' rule (rlhf.paths), and for
+    """A filesystem path rather than a hub dataset id: the models' rule (rlhf.runtime.paths), and for
     data also a nested path or a file name (``data/pairs.jsonl``), which no hub id is."""
     return (
         paths.looks_local(path) or path.count("/") > 1 or local.suffix(path) in _PATHLIKE_SUFFIXES

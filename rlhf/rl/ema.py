@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.dist import is_initialized, rank, world_size
+from rlhf.runtime.dist import is_initialized, rank, world_size
 
 
 class EMA:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rlhf.config import ConfigError
-from rlhf.dist import all_reduce_sum
+from rlhf.runtime.dist import all_reduce_sum
 from rlhf.tasks.faults import fault_summary, fault_text
 
 log = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ import torch
 from rlhf import tasks
 from rlhf.config import ConfigError, MultiTurnConfig
 from rlhf.data.collate import left_pad
-from rlhf.dist import all_reduce_sum, gather_lists, max_over_ranks
 from rlhf.rl.env_calls import EnvCalls, FailedRollouts
 from rlhf.rl.generation import Rollout, Sampling
+from rlhf.runtime.dist import all_reduce_sum, gather_lists, max_over_ranks
 from rlhf.tasks.faults import check_step
 
 

@@ -22,16 +22,16 @@ from rlhf.algos.preference import sequence_scores
 from rlhf.algos.reductions import masked_sum, masked_whiten, whiten_moments
 from rlhf.config import Config, PPOConfig
 from rlhf.data.packing import RowPacking, pack_rows
-from rlhf.dist import all_reduce_sum, max_over_ranks
-from rlhf.engine import model_device
-from rlhf.models import positions_of
+from rlhf.modeling.loading import positions_of
 from rlhf.registry import ESTIMATORS, AdvantageInputs, kl_needs_logits, rollout_correction
-from rlhf.rl.advantages import Shaping, outcome_rewards
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.generation import Rollout, Sampling
-from rlhf.rl.models import Models
+from rlhf.rl.ppo_models import Models
 from rlhf.rl.rewards import RewardFunction
 from rlhf.rl.rollouts import HFDecoder, VLLMDecoder
+from rlhf.rl.shaping import Shaping, outcome_rewards
+from rlhf.runtime.dist import all_reduce_sum, max_over_ranks
+from rlhf.runtime.engine import model_device
 from rlhf.tracking import PhaseClock, Throughput
 
 
@@ -226,7 +226,7 @@ def make_experience(
     The trained models are switched to eval mode at the module, not the DeepSpeed engine: the
     hybrid engine's ``engine.eval()`` swaps in its inference kernels, and the old log-probs
     must come from the training kernels the update uses. (Every dropout of a trained PPO model
-    is 0, rlhf.validate checks it, so eval and train mode compute the same function.)"""
+    is 0, rlhf.checks.validate checks it, so eval and train mode compute the same function.)"""
     with eval_modules(*(m for m in (actor, critic) if m is not None)):
         models = (actor, reference, critic, reward_model)
         return _score(rollout, *models, shaping, device, baselines, old_from_update)

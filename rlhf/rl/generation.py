@@ -24,7 +24,7 @@ from transformers import (
 
 from rlhf.config import Config
 from rlhf.data.collate import left_pad
-from rlhf.models import positions_of
+from rlhf.modeling.loading import positions_of
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from rlhf.algos.logits import causal_lm_nll_sum
 from rlhf.config import Config
 from rlhf.data.collate import right_pad
 from rlhf.data.sources import source_task
-from rlhf.dist import rank, world_size
-from rlhf.engine import model_device
+from rlhf.runtime.dist import rank, world_size
+from rlhf.runtime.engine import model_device
 
 
 def ptx_source(cfg: Config) -> str | None:

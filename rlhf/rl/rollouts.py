@@ -13,9 +13,8 @@ import torch
 
 from rlhf.config import Config
 from rlhf.data.sampling import EVAL_BATCH_ROWS
-from rlhf.dist import world_size
 from rlhf.rl.generation import Rollout, Sampling, generate
-from rlhf.rl.models import max_new_tokens
+from rlhf.rl.ppo_models import max_new_tokens
 from rlhf.rl.vllm_engine import (
     DTYPE_BYTES,
     EngineSpec,
@@ -24,6 +23,7 @@ from rlhf.rl.vllm_engine import (
     kv_cache_bytes,
 )
 from rlhf.rl.weight_sync import hf_model, hf_weights
+from rlhf.runtime.dist import world_size
 
 log = logging.getLogger(__name__)
 

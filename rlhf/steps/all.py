@@ -29,10 +29,10 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config import NOT_READ_BY, Config
-from rlhf.dist import from_main, is_main
-from rlhf.locks import exclusive
-from rlhf.resume import flat, resumable
-from rlhf.roles import share_command_line
+from rlhf.config.sharing import share_command_line
+from rlhf.runtime.dist import from_main, is_main
+from rlhf.runtime.locks import exclusive
+from rlhf.runtime.resume import flat, resumable
 from rlhf.steps import dpo, ppo, report, reward, sft
 from rlhf.steps.loop import RunInfo
 from rlhf.tracking import plain

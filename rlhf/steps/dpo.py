@@ -19,20 +19,20 @@ import torch
 from rlhf.algos.preference import REFERENCE_FREE
 from rlhf.config import Config
 from rlhf.data.collate import pair_batch
-from rlhf.data.pipeline import phase_dataset
+from rlhf.data.prepare import phase_dataset
 from rlhf.data.sampling import row_lengths
-from rlhf.dist import all_reduce_sum
-from rlhf.engine import initialize_frozen
-from rlhf.evaluation import (
+from rlhf.evaluators.held_out import (
     PREFERENCE_STATS,
     DPOEvaluator,
     answer_logprobs,
     preference_sums,
     preference_terms,
 )
-from rlhf.models import AdaptersOff, load_causal_lm, reference_is_base
+from rlhf.modeling.loading import AdaptersOff, load_causal_lm, reference_is_base
+from rlhf.runtime.dist import all_reduce_sum
+from rlhf.runtime.engine import initialize_frozen
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
-from rlhf.steps.setup import (
+from rlhf.steps.supervised import (
     batch_plan,
     export_causal_lm,
     pair_micro_batches,

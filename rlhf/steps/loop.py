@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import checkpoint, resume
 from rlhf.config import Config, ConfigError
-from rlhf.dist import all_ranks, is_main, max_over_ranks, rank
+from rlhf.runtime import checkpoint, resume
+from rlhf.runtime.dist import all_ranks, is_main, max_over_ranks, rank
 from rlhf.tracking import Throughput, Tracker, peak_memory_gb
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,10 @@ from transformers import set_seed
 
 from rlhf import registry
 from rlhf.config import Config, ConfigError, PPOConfig
-from rlhf.data.pipeline import TASK, phase_dataset
+from rlhf.data.prepare import TASK, phase_dataset
 from rlhf.data.sampling import EpochPlan
-from rlhf.dist import all_reduce_sum, rank, world_size
-from rlhf.engine import device_type, resolve_dtype
-from rlhf.evaluation import PPOEvaluator
-from rlhf.models import block_mask_problem, end_of_text_id, fast_path, read_stats
-from rlhf.rl.advantages import iteration_shaping, kl_controller
+from rlhf.evaluators.held_out import PPOEvaluator
+from rlhf.modeling.loading import block_mask_problem, end_of_text_id, fast_path, read_stats
 from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRollouts, episode_environment
 from rlhf.rl.experience import (
@@ -43,7 +40,7 @@ from rlhf.rl.experience import (
     with_update_kl,
 )
 from rlhf.rl.generation import rollout_sampling
-from rlhf.rl.models import (
+from rlhf.rl.ppo_models import (
     Models,
     build_models,
     end_of_text_problem,
@@ -55,6 +52,9 @@ from rlhf.rl.models import (
 )
 from rlhf.rl.ptx import PTXBatches
 from rlhf.rl.rollouts import HFDecoder, VLLMDecoder, build_rollouts
+from rlhf.rl.shaping import iteration_shaping, kl_controller
+from rlhf.runtime.dist import all_reduce_sum, rank, world_size
+from rlhf.runtime.engine import device_type, resolve_dtype
 from rlhf.steps.loop import Run, RunInfo, total_steps
 from rlhf.steps.ppo_update import ppo_update
 from rlhf.tracking import Throughput

@@ -12,9 +12,9 @@ import torch
 from rlhf import algos, registry
 from rlhf.config import Config
 from rlhf.data.packing import pack_rows
-from rlhf.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.rl.experience import Experience, response_logprobs, response_values
-from rlhf.rl.models import Models, max_new_tokens
+from rlhf.rl.ppo_models import Models, max_new_tokens
+from rlhf.runtime.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.steps.loop import NonFiniteGuard, TrainState
 
 log = logging.getLogger(__name__)

@@ -229,9 +229,9 @@ def pipeline_report(
     last = list(step_dirs)[-1]
     final = [p for p in exports if p.parent == step_dirs[last]]
     commands = next_commands(last, step_dirs[last], final, model)
-    commands = [c for c in commands if "rlhf.compare" not in c[0]]
+    commands = [c for c in commands if "rlhf.cli.compare" not in c[0]]
     commands.append(
-        (f"python -m rlhf.compare {_arg(run_dir)} OTHER_RUN", "compare with another run")
+        (f"python -m rlhf.cli.compare {_arg(run_dir)} OTHER_RUN", "compare with another run")
     )
     lines += _next_lines(commands)
     return "\n".join(lines)
@@ -247,7 +247,7 @@ def next_commands(
     rlhf = "python -m rlhf" if model == TINY_MODEL else f"python -m rlhf model={model}"
     out = []
     if step in ("sft", "dpo") and "model" in names:
-        out.append((f"python -m rlhf.chat --path {_arg(names['model'])}", "talk to the model"))
+        out.append((f"python -m rlhf.cli.chat --path {_arg(names['model'])}", "talk to the model"))
     if step == "sft" and "model" in names:
         out.append(
             (
@@ -265,14 +265,16 @@ def next_commands(
         )
         out.append(
             (
-                f"python -m rlhf.evaluate reward --path {_arg(names['model'])} data=OTHER",
+                f"python -m rlhf.cli.evaluate reward --path {_arg(names['model'])} data=OTHER",
                 "its eval table on other preference data",
             )
         )
     if step == "ppo" and "actor" in names:
         actor = _arg(names["actor"])
-        out.append((f"python -m rlhf.chat --path {actor}", "talk to the trained actor"))
-    out.append((f"python -m rlhf.compare {_arg(run_dir)} OTHER_RUN", "compare with another run"))
+        out.append((f"python -m rlhf.cli.chat --path {actor}", "talk to the trained actor"))
+    out.append(
+        (f"python -m rlhf.cli.compare {_arg(run_dir)} OTHER_RUN", "compare with another run")
+    )
     return out
 
 

@@ -26,10 +26,8 @@ from rlhf.config import SHARED_PROMPT_LOSSES, Config, ConfigError
 from rlhf.data.collate import pair_batch, ranked_batch
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
 from rlhf.data.sampling import row_lengths
-from rlhf.dist import all_reduce_sum
-from rlhf.engine import BatchShape, ds_config, initialize, model_device
-from rlhf.evaluation import PairEvaluator, gold_correlation
-from rlhf.models import (
+from rlhf.evaluators.held_out import PairEvaluator, gold_correlation
+from rlhf.modeling.loading import (
     STATS_FILE,
     apply_lora,
     config_mask_problem,
@@ -37,8 +35,10 @@ from rlhf.models import (
     fast_path,
     load_value_model,
 )
+from rlhf.runtime.dist import all_reduce_sum
+from rlhf.runtime.engine import BatchShape, ds_config, initialize, model_device
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
-from rlhf.steps.setup import (
+from rlhf.steps.supervised import (
     StepInputs,
     batch_plan,
     pair_micro_batches,

@@ -19,12 +19,12 @@ from rlhf.config import Config
 from rlhf.data.collate import count_targets, rows_at, sft_batch
 from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
 from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.dist import all_reduce_sum, rank
-from rlhf.engine import BatchShape
-from rlhf.evaluation import SFTEvaluator
-from rlhf.models import config_mask_problem, fast_path
+from rlhf.evaluators.held_out import SFTEvaluator
+from rlhf.modeling.loading import config_mask_problem, fast_path
+from rlhf.runtime.dist import all_reduce_sum, rank
+from rlhf.runtime.engine import BatchShape
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo
-from rlhf.steps.setup import (
+from rlhf.steps.supervised import (
     batch_plan,
     export_causal_lm,
     step_count,

@@ -40,9 +40,9 @@ def job_refusal(sweep_config: DictConfig, on_this_machine: bool) -> str | None:
     models and what the machine must have."""
     from hydra.core.hydra_config import HydraConfig
 
+    from rlhf.checks.validate import check_launch, fit_lengths, positions, raise_problems, validated
     from rlhf.config import ConfigError
-    from rlhf.roles import share_command_line, unread_problems
-    from rlhf.validate import check_launch, fit_lengths, positions, raise_problems, validated
+    from rlhf.config.sharing import share_command_line, unread_problems
 
     overrides = list(sweep_config.hydra.overrides.task)
     cfg = copy.deepcopy(sweep_config)  # the job's config, as Hydra's run_job hands it over

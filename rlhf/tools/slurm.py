@@ -3,7 +3,7 @@ shim): a sweep's jobs as one SLURM job array, submitted with submitit.
 
 Each SLURM task runs the job's command as the rlhf launcher does (``python -m rlhf <overrides>
 hydra.run.dir=<job dir>``): task 0 with its output in ``<job dir>/job.log`` and its record in
-``job.json``, the others into their SLURM logs; rlhf maps the tasks to ranks (rlhf/dist.py).
+``job.json``, the others into their SLURM logs; rlhf maps the tasks to ranks (rlhf/runtime/dist.py).
 A job that exits non-zero returns its exit status, so it is marked FAILED whether or not the
 cluster keeps accounting. The sweep reads each job's result file and ``squeue``'s state:
 

@@ -1,6 +1,6 @@
 """One table for a set of runs: a row per run with its overrides, status, final metrics,
 throughput, peak memory and wall time. The sweep launcher writes it as ``summary.md`` and
-``summary.csv`` at the end of every multirun; ``python -m rlhf.compare`` builds it for any dirs.
+``summary.csv`` at the end of every multirun; ``python -m rlhf.cli.compare`` builds it for any dirs.
 
 What a row reads from a run directory:
   job.json            written by the rlhf launcher: index, overrides, status, exit code, wall time

@@ -19,11 +19,9 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from rlhf.config import Config
 from rlhf.data.collate import rows_at
-from rlhf.data.pipeline import phase_dataset
+from rlhf.data.prepare import phase_dataset
 from rlhf.data.sampling import EpochPlan
-from rlhf.dist import rank, world_size
-from rlhf.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
-from rlhf.models import (
+from rlhf.modeling.loading import (
     apply_lora,
     attention,
     end_of_text_id,
@@ -34,6 +32,8 @@ from rlhf.models import (
     model_path,
     model_type,
 )
+from rlhf.runtime.dist import rank, world_size
+from rlhf.runtime.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
 from rlhf.steps.loop import Run, total_steps
 from rlhf.tracking import Throughput
 

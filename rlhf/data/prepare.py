@@ -45,9 +45,9 @@ from rlhf.data.sources import (
     source_task,
 )
 from rlhf.data.split import phase_indices
-from rlhf.dist import barrier, from_main, is_main, world_size
-from rlhf.files import publish_dir
-from rlhf.models import tokenizer_fingerprint
+from rlhf.modeling.loading import tokenizer_fingerprint
+from rlhf.runtime.dist import barrier, from_main, is_main, world_size
+from rlhf.runtime.files import publish_dir
 
 log = logging.getLogger(__name__)
 

@@ -24,17 +24,17 @@ from rlhf.algos.preference import PREFERENCE_LOSSES, sequence_scores
 from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config, ConfigError, DPOConfig
 from rlhf.data.collate import IGNORE_INDEX, count_targets, pair_batch, rows_at, sft_batch
-from rlhf.data.pipeline import SOURCE, TASK
+from rlhf.data.prepare import SOURCE, TASK
 from rlhf.data.sampling import EVAL_BATCH_ROWS, eval_shards
-from rlhf.dist import all_reduce_sum, gather_lists, rank, world_size
-from rlhf.engine import model_device
-from rlhf.models import load_tokenizer, tokenizer_fingerprint
-from rlhf.reward_metrics import ScoredPair, pair_metrics
+from rlhf.evaluators.pair_metrics import ScoredPair, pair_metrics
+from rlhf.modeling.loading import load_tokenizer, tokenizer_fingerprint
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling, generate
-from rlhf.rl.models import Models, max_new_tokens
+from rlhf.rl.ppo_models import Models, max_new_tokens
 from rlhf.rl.rollouts import ModuleDecoder
+from rlhf.runtime.dist import all_reduce_sum, gather_lists, rank, world_size
+from rlhf.runtime.engine import model_device
 from rlhf.tasks.faults import grade_answer, grade_warning
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class SFTEvaluator:
 
 class PairEvaluator:
     """The reward model on held-out pairs: accuracy, mean scores and margin, calibration,
-    margin quantiles, length bias, accuracy per source and rejected kind (rlhf.reward_metrics)."""
+    margin quantiles, length bias, accuracy per source and rejected kind (rlhf.evaluators.pair_metrics)."""
 
     def __init__(self, cfg: Config, tokenizer, eval_rows):
         self.cfg, self.tokenizer, self.rows = cfg, tokenizer, eval_rows

@@ -1,8 +1,8 @@
 """Judge a reward model without training it: the table step 2's evaluation logs, for any export.
 
-    python -m rlhf.evaluate reward --path RUN/reward/model                 # on its own data
-    python -m rlhf.evaluate reward --path RUN/reward/model data=hh-rlhf --out rm.json
-    python -m rlhf.evaluate reward --path OpenAssistant/reward-model-deberta-v3-large-v2 \\
+    python -m rlhf.cli.evaluate reward --path RUN/reward/model                 # on its own data
+    python -m rlhf.cli.evaluate reward --path RUN/reward/model data=hh-rlhf --out rm.json
+    python -m rlhf.cli.evaluate reward --path OpenAssistant/reward-model-deberta-v3-large-v2 \\
         data=hh-rlhf model.end_of_text_token=null
 
 Everything after the flags is a Hydra override of the run's config (``data=...``,
@@ -13,7 +13,7 @@ reward phase's share of each source's eval split, at most ``data.max_eval_rows``
 The scores are read where the export was trained to put them (its ``reward_stats.json`` says the
 position; else ``reward.score_position``). A head that scores every token (OPT, Llama, GPT-2...)
 goes through the reward step's own scoring; a pooled one (DeBERTa, RoBERTa) gives HF's logit.
-Prints the metrics (rlhf.reward_metrics) as a table; ``--out`` also writes them as JSON.
+Prints the metrics (rlhf.evaluators.pair_metrics) as a table; ``--out`` also writes them as JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf.evaluate",
+        prog="python -m rlhf.cli.evaluate",
         description="The reward step's evaluation table for a sequence-classification export, "
         "on any preference data rlhf reads; trailing words are overrides (data=hh-rlhf ...).",
     )
@@ -67,11 +67,11 @@ def composed(path: str, overrides: list[str]):
     from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlhf import preflight
+    from rlhf.checks import preflight
+    from rlhf.checks.validate import validated
+    from rlhf.cli.help import CONF_DIR
     from rlhf.config import ConfigError, schema
-    from rlhf.help import CONF_DIR
-    from rlhf.roles import share_command_line
-    from rlhf.validate import validated
+    from rlhf.config.sharing import share_command_line
 
     given = ["step=reward", f"model.path={path}", *overrides]
     preflight.check_override_syntax(given)
@@ -92,10 +92,10 @@ def evaluate_reward(cfg, path: str, batch_size: int | None = None) -> dict[str, 
     import datasets
     import transformers
 
-    from rlhf.data.pipeline import phase_dataset
-    from rlhf.evaluation import scored_pairs
-    from rlhf.models import end_of_text_id, load_tokenizer, read_stats
-    from rlhf.reward_metrics import pair_metrics
+    from rlhf.data.prepare import phase_dataset
+    from rlhf.evaluators.held_out import scored_pairs
+    from rlhf.evaluators.pair_metrics import pair_metrics
+    from rlhf.modeling.loading import end_of_text_id, load_tokenizer, read_stats
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -127,8 +127,8 @@ def scoring_model(cfg, path: str, tokenizer) -> torch.nn.Module:
     :class:`PooledScore`."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf.engine import device_type, resolve_dtype
-    from rlhf.models import ValueModel, model_config, pretrained_kwargs
+    from rlhf.modeling.loading import ValueModel, model_config, pretrained_kwargs
+    from rlhf.runtime.engine import device_type, resolve_dtype
 
     device = device_type(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -138,7 +138,9 @@ def scoring_model(cfg, path: str, tokenizer) -> torch.nn.Module:
         path, config=config, **pretrained_kwargs(cfg.model, dtype, None)
     )
     if len(tokenizer) > hf.get_input_embeddings().num_embeddings:
-        hf.resize_token_embeddings(len(tokenizer))  # a pad token added (rlhf.models.load_tokenizer)
+        hf.resize_token_embeddings(
+            len(tokenizer)
+        )  # a pad token added (rlhf.modeling.loading.load_tokenizer)
     model = ValueModel(hf) if hasattr(hf, "score") else PooledScore(hf)
     return model.to(device).eval()
 
@@ -150,17 +152,15 @@ REWARD_EXPORTS = ("reward/model", "model")
 def check_reward_export(cfg, path: str) -> None:
     """--path is a reward model: not a run dir (its exports are named), not a causal LM (the
     check PPO's reward model gets), not a classifier of several labels."""
-    from rlhf import validate
+    from rlhf.checks import validate
     from rlhf.config import ConfigError
-    from rlhf.models import model_config
+    from rlhf.modeling.loading import model_config
 
     if Path(path).expanduser().is_dir():
         config_json = validate.read_model_config("--path", path)
         if config_json is None:
             raise ConfigError(not_an_export_problem(path))
-        need = (
-            "rlhf.evaluate reward scores answers with it: give a reward export (RUN/reward/model)"
-        )
+        need = "rlhf.cli.evaluate reward scores answers with it: give a reward export (RUN/reward/model)"
         check = validate.ModelToCheck("--path", path, validate.REWARD, None, need)
         problem = validate.causal_lm_as_reward_problem(check, config_json)
         if problem:
@@ -173,7 +173,7 @@ def check_reward_export(cfg, path: str) -> None:
 def not_an_export_problem(path: str) -> str:
     """A directory without config.json: a run dir (naming the reward exports in it), or not a
     model at all."""
-    from rlhf.validate import missing_config_problem
+    from rlhf.checks.validate import missing_config_problem
 
     run = Path(path)
     exports = [run / e for e in REWARD_EXPORTS if _is_reward_model(run / e)]
@@ -193,7 +193,7 @@ def not_an_export_problem(path: str) -> str:
 
 
 def _is_reward_model(export: Path) -> bool:
-    from rlhf.validate import read_model_config
+    from rlhf.checks.validate import read_model_config
 
     if not (export / "config.json").is_file():
         return False

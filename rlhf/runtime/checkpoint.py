@@ -7,9 +7,9 @@ into a hidden temporary directory and renamed into place once complete, so a cra
 disk mid-write leaves the previous checkpoint intact (a full disk is reported as such, with the
 space needed); only the last ``keep`` are kept.
 
-Each rank hashes what it writes and adds its part of the manifest (rlhf.manifest); each
+Each rank hashes what it writes and adds its part of the manifest (rlhf.runtime.manifest); each
 checkpoint also keeps the config it was made under (``config.json``). Which checkpoint a run
-resumes, if any, is rlhf.resume's to decide.
+resumes, if any, is rlhf.runtime.resume's to decide.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
-from rlhf.dist import (
+from rlhf.runtime.dist import (
     all_reduce_sum,
     barrier,
     is_main,
@@ -39,8 +39,8 @@ from rlhf.dist import (
     unshared_dirs,
     world_size,
 )
-from rlhf.files import dir_size, no_space_message, out_of_space
-from rlhf.manifest import Part, has_manifest, incomplete
+from rlhf.runtime.files import dir_size, no_space_message, out_of_space
+from rlhf.runtime.manifest import Part, has_manifest, incomplete
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def save(
     (called on every rank with the temporary directory; returns the files it wrote) adds a
     recipe's own files, e.g. state sharded over the ranks that must not pass through rank 0's
     trainer.pt. ``config``: the run's config (dataclasses.asdict), kept for
-    :func:`rlhf.resume.resume_problem`. Each rank hashes what it writes and writes its manifest
+    :func:`rlhf.runtime.resume.resume_problem`. Each rank hashes what it writes and writes its manifest
     part."""
     started = time.perf_counter()
     root = checkpoint_dir(run_dir)

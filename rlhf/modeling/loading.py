@@ -23,11 +23,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rlhf.attention import LEAN_EAGER
 from rlhf.config import ConfigError, LoraConfig, ModelConfig
-from rlhf.dist import barrier, is_main
-from rlhf.engine import TORCH_DTYPES
-from rlhf.files import no_space_message, out_of_space, publish_dir, replace_dir
+from rlhf.modeling.attention import LEAN_EAGER
+from rlhf.runtime.dist import barrier, is_main
+from rlhf.runtime.engine import TORCH_DTYPES
+from rlhf.runtime.files import no_space_message, out_of_space, publish_dir, replace_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from, decided once for every rank, and whether it may.
 
 At resume rank 0 lists the newest complete checkpoints (every part of the manifest there:
-rlhf.manifest), every rank verifies its share of one's files, and every rank resumes the one
+rlhf.runtime.manifest), every rank verifies its share of one's files, and every rank resumes the one
 they verified together; a damaged one is skipped, with a warning naming it, for the next. The
 entry point starts this once the run dir's lock is held (:func:`choose`): missing and truncated
 files are found at once, before any model is built; the files' hashes are read in the
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.checkpoint import CONFIG_FILE, CheckpointError, checkpoint_dir, step_dirs
 from rlhf.config import RENAMED_KEYS
-from rlhf.dist import barrier, from_main, gather_lists, is_main, rank, world_size
-from rlhf.files import dir_size
-from rlhf.manifest import (
+from rlhf.runtime.checkpoint import CONFIG_FILE, CheckpointError, checkpoint_dir, step_dirs
+from rlhf.runtime.dist import barrier, from_main, gather_lists, is_main, rank, world_size
+from rlhf.runtime.files import dir_size
+from rlhf.runtime.manifest import (
     ManifestProblem,
     has_manifest,
     incomplete,

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhf.config import ConfigError
-from rlhf.dist import from_main, is_main
+from rlhf.runtime.dist import from_main, is_main
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from rlhf.config import (
     unknown_keys,
 )
 from rlhf.data.sources import ADAPTERS, GENERATED, reads_local, source_problems, source_task
-from rlhf.paths import looks_local
 from rlhf.rl.experience import off_policy_reasons
 from rlhf.rl.vllm_engine import vllm_problem
+from rlhf.runtime.paths import looks_local
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
 # one (a single token, every text encoded to nothing) instead of failing.
@@ -202,7 +202,7 @@ def _same(a: str, b: str) -> bool:
 
 
 def tokenizer_source(model: ModelConfig) -> str:
-    """Where rlhf.models.load_tokenizer reads the tokenizer from."""
+    """Where rlhf.modeling.loading.load_tokenizer reads the tokenizer from."""
     return model.tokenizer if model.path is not None and model.tokenizer else model.path
 
 
@@ -445,7 +445,7 @@ def _ptx_problems(config: Config) -> list[tuple[str, object, str]]:
 
 
 # PPO's trained models. Old log-probs and values are taken in eval mode, updates run in train
-# mode: the two compute the same function only when no dropout acts. rlhf.rl.models checks the
+# mode: the two compute the same function only when no dropout acts. rlhf.rl.ppo_models checks the
 # loaded models again (a hub model, step=all's exports).
 DROPOUT_WHY = (
     "PPO takes old log-probs and values in eval mode and updates in train mode, which agree "
@@ -459,7 +459,7 @@ def dropout_problems(
     """A trained PPO model's dropouts that are not 0: its LoRA's, the model.dropout override,
     and (the override null) those of ``config_json``, the model's config.json or the tiny
     model's init (None: not known yet)."""
-    from rlhf.models import DROPOUT_KEYS
+    from rlhf.modeling.loading import DROPOUT_KEYS
 
     out = []
     if lora.rank > 0 and lora.dropout > 0:
@@ -512,8 +512,8 @@ def ppo_model_problems(config: Config) -> list[str]:
     actor, reward = config.actor.model, config.critic.reward_model_source
     local = [p and os.path.isdir(os.path.expanduser(p)) for p in (actor.path, reward)]
     if config.ppo.reward_function is None and all(local):
-        from rlhf.models import end_of_text_id, load_tokenizer, read_stats
-        from rlhf.rl.models import end_of_text_problem, reward_model_setting
+        from rlhf.modeling.loading import end_of_text_id, load_tokenizer, read_stats
+        from rlhf.rl.ppo_models import end_of_text_problem, reward_model_setting
 
         tokenizer = load_tokenizer(actor, actor.path)
         eot = end_of_text_id(actor, tokenizer)
@@ -525,7 +525,7 @@ def ppo_model_problems(config: Config) -> list[str]:
 
 def hybrid_engine_model_problem(config: Config) -> str | None:
     """actor.hybrid_engine on an architecture DeepSpeed's hybrid engine cannot decode right
-    (rlhf.rl.models.hybrid_engine_problem). The actor's class comes from its config.json; in
+    (rlhf.rl.ppo_models.hybrid_engine_problem). The actor's class comes from its config.json; in
     step=all the actor is the SFT export of model.path, so from that one's."""
     if not config.actor.hybrid_engine or config.step.name not in ("ppo", "all"):
         return None
@@ -535,7 +535,7 @@ def hybrid_engine_model_problem(config: Config) -> str | None:
             "(its inference kernels' logits are not the update's, so the old log-probs are "
             "recomputed)"
         )
-    from rlhf.rl.models import hybrid_engine_problem
+    from rlhf.rl.ppo_models import hybrid_engine_problem
 
     lm_class = _actor_class(config)
     problem = hybrid_engine_problem(lm_class) if lm_class is not None else None
@@ -545,10 +545,10 @@ def hybrid_engine_model_problem(config: Config) -> str | None:
 def _actor_class(config: Config) -> type | None:
     """The causal LM class PPO's actor will load as, or None when it cannot be told (remote
     code; a hub id whose config.json can be neither found in the cache nor downloaded: then
-    rlhf.rl.models checks the loaded model)."""
+    rlhf.rl.ppo_models checks the loaded model)."""
     from transformers import AutoConfig, OPTForCausalLM
 
-    from rlhf.rl.models import causal_lm_class
+    from rlhf.rl.ppo_models import causal_lm_class
 
     actor = config.actor.model
     produced = (
@@ -798,7 +798,7 @@ def hub_problems(config: Config) -> list[str]:
 def launch_problems(config: Config) -> list[str]:
     """Hub ids, vLLM where the rollouts need it, a stale DeepSpeed build lock, a W&B login that
     is not there."""
-    from rlhf.engine import cpu_adam_lock_problem
+    from rlhf.runtime.engine import cpu_adam_lock_problem
     from rlhf.tracking import wandb_problem
 
     out = hub_problems(config)

@@ -1,8 +1,8 @@
 """Compare runs without W&B: the sweep table for any run or sweep dirs, and PNG plots over steps.
 
-    python -m rlhf.compare outputs/multirun/2026-01-01_12-00-00            # a sweep: its jobs
-    python -m rlhf.compare RUN_A RUN_B --metrics eval/loss,train/loss --out cmp
-    python -m rlhf.compare RUN --columns 'eval/*,perf/*'                  # step=all: its steps
+    python -m rlhf.cli.compare outputs/multirun/2026-01-01_12-00-00            # a sweep: its jobs
+    python -m rlhf.cli.compare RUN_A RUN_B --metrics eval/loss,train/loss --out cmp
+    python -m rlhf.cli.compare RUN --columns 'eval/*,perf/*'                  # step=all: its steps
 
 A sweep dir expands to its job dirs and a step=all run dir to its sft/reward/ppo sub-runs.
 Writes ``summary.md``, ``summary.csv`` and one ``<metric>.png`` per metric into the folder
@@ -126,7 +126,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m rlhf.compare",
+        prog="python -m rlhf.cli.compare",
         description="A table of final metrics and PNG plots over steps for run or sweep dirs.",
     )
     p.add_argument("dirs", nargs="+", help="run dirs, step=all run dirs or sweep dirs")

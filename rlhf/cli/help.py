@@ -3,7 +3,7 @@ field of :mod:`rlhf.config`), so the meaning is written once, where the default 
 that name an algorithm list the names :mod:`rlhf.registry` holds, with each one's summary.
 
 ``python -m rlhf --help [overrides]`` prints the config groups and every key with its composed
-value and meaning; ``python -m rlhf.help > docs/config.md`` writes the reference (a test keeps it
+value and meaning; ``python -m rlhf.cli.help > docs/config.md`` writes the reference (a test keeps it
 current).
 """
 
@@ -24,10 +24,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf import config as schema
-from rlhf import preflight, registry
-from rlhf.roles import pipeline_steps, share_command_line, step_values
+from rlhf import registry
+from rlhf.checks import preflight
+from rlhf.config.sharing import pipeline_steps, share_command_line, step_values
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def field_meanings() -> dict[tuple[str, str], str]:
@@ -118,7 +119,7 @@ def markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `rlhf/config/` by `python -m rlhf.help > docs/config.md` (a test keeps",
+        "Generated from `rlhf/config/` by `python -m rlhf.cli.help > docs/config.md` (a test keeps",
         "it current). Values are the schema's defaults, which a plain run uses; a config group",
         "option (`model=opt-1.3b`, `data=rm-static`, `step=reward`, `experiment=...`) sets its",
         "own. `python -m rlhf --help [overrides]` prints the same keys with the composed values.",

@@ -1,7 +1,7 @@
 """Talk to an exported actor from the terminal (DeepSpeed-Chat's chatbot.py, plain transformers).
 
-    python -m rlhf.chat --path RUN/ppo/actor          # or RUN/sft/model, any causal LM export
-    echo "What is 3 + 4?" | python -m rlhf.chat --path RUN/sft/model --max-new-tokens 32
+    python -m rlhf.cli.chat --path RUN/ppo/actor          # or RUN/sft/model, any causal LM export
+    echo "What is 3 + 4?" | python -m rlhf.cli.chat --path RUN/sft/model --max-new-tokens 32
 
 Each line read from stdin is one turn. The conversation is kept in the format the data used,
 ``"\\n\\nHuman: {question}\\n\\nAssistant:"`` followed by the answer, turn after turn, and the whole
@@ -15,7 +15,7 @@ the task's turn stops (a tool call's closing tag), the environment's observation
 result) is appended, and the model goes on, up to ``--max-turns`` turns. The answer printed is
 the whole transcript, so the call and its result are seen::
 
-    echo "What is 123 + 456?" | python -m rlhf.chat --path RUN/ppo/actor --env toy_tools
+    echo "What is 123 + 456?" | python -m rlhf.cli.chat --path RUN/ppo/actor --env toy_tools
     Assistant: <call> 123 + 456</call> = 579 The answer is 579.
 """
 
@@ -222,7 +222,7 @@ def model_problem(path: Path) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rlhf.chat", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlhf.cli.chat", description=__doc__.split("\n")[0])
     p.add_argument("--path", required=True, help="an exported model: RUN/ppo/actor, RUN/sft/model")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -13,7 +13,7 @@ from rlhf.algos.advantages import overlong_penalty
 from rlhf.algos.estimators import AdvantageParams
 from rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from rlhf.config import Config, PPOConfig
-from rlhf.rl.models import max_new_tokens
+from rlhf.rl.ppo_models import max_new_tokens
 
 
 @dataclass(frozen=True)

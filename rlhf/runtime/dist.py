@@ -3,7 +3,7 @@ the loops need (sums, max, min over ranks, rank 0's object). Every helper also w
 process group (one process, as in unit tests).
 
 Also: the ranks of an ``srun`` step (SLURM's tasks become torch.distributed's ranks) and the
-check that every rank sees the same run directory (the locks on it: rlhf.locks)."""
+check that every rank sees the same run directory (the locks on it: rlhf.runtime.locks)."""
 
 from __future__ import annotations
 

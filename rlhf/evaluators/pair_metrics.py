@@ -2,7 +2,7 @@
 high accuracy can hide a negative chosen score or a rejected score close to the chosen one).
 
 :func:`pair_metrics` turns the scores of N held-out pairs into the ``eval/`` table the reward
-step logs and ``python -m rlhf.evaluate reward`` prints: accuracy and mean scores, calibration of
+step logs and ``python -m rlhf.cli.evaluate reward`` prints: accuracy and mean scores, calibration of
 the Bradley-Terry probability sigmoid(chosen - rejected), margin quantiles, length bias, and the
 accuracy per source and per rejected kind where the data says them. Pure: lists in, floats out.
 """

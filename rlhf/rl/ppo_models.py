@@ -15,16 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf import registry
 from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.data.sources import source_task
-from rlhf.dist import world_size
-from rlhf.engine import (
-    BatchShape,
-    device_type,
-    ds_config,
-    hybrid_engine_config,
-    initialize,
-    initialize_frozen,
-)
-from rlhf.models import (
+from rlhf.modeling.loading import (
     AdaptersOff,
     apply_lora,
     attention,
@@ -39,6 +30,15 @@ from rlhf.models import (
 )
 from rlhf.rl.ema import EMA
 from rlhf.rl.rewards import RewardFunction
+from rlhf.runtime.dist import world_size
+from rlhf.runtime.engine import (
+    BatchShape,
+    device_type,
+    ds_config,
+    hybrid_engine_config,
+    initialize,
+    initialize_frozen,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def build_models(
             cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds, actor_attn
         ),
     )
-    # rlhf.validate checks these from the config files; a hub model or step=all's exports are
+    # rlhf.checks.validate checks these from the config files; a hub model or step=all's exports are
     # checked here, on the loaded model, before any engine exists
     if cfg.actor.hybrid_engine and (problem := hybrid_engine_problem(type(actor))):
         raise ConfigError(f"actor.hybrid_engine=true: {problem}")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rlhf.config import ConfigError, LoraConfig, OptimConfig, ZeroConfig
-from rlhf.dist import world_size
+from rlhf.runtime.dist import world_size
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Held-out evaluation of each step, and the reward model's pair metrics."""
