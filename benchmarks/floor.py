@@ -8,7 +8,7 @@ parts. Writes floor.json in --out.
 
     python -m benchmarks floor --scenario dschat                 # bf16, 2 ranks, ZeRO-2
     python -m benchmarks floor --rollout-engine hf --repeats 5   # one engine, more repeats
-    python -m benchmarks floor --set ppo.on_policy_shortcut=false  # any rlhf override on top
+    python -m benchmarks floor --set ppo.update.on_policy_shortcut=false  # any rlhf override on top
 
 The shapes and the exported models are the steps bench's (benchmarks/steps.py, its options
 apply). Each engine is one real ``python -m rlhf step=ppo`` run (torchrun for several ranks)
@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an rlhf override on top of the bench's (repeatable): ppo.advantage_estimator=grpo",
+        help="an rlhf override on top of the bench's (repeatable): ppo.advantage.estimator=grpo",
     )
     own, rest = p.parse_known_args(argv)
     own.engines = [e for e in own.rollout_engine.split(",") if e]
@@ -75,8 +75,8 @@ def main(argv: list[str]) -> dict:
             [*data_overrides(args, data), *run_overrides(args, own.warmup + own.repeats)],
             [
                 *steps.section_modes("ppo", args, actor, critic)["fast"],
-                "ppo.generation_batches=1",
-                "ppo.seed_rollouts=true",  # a part's generate draws the iteration's answers
+                "ppo.rollout.batches=1",
+                "ppo.rollout.seeded=true",  # a part's generate draws the iteration's answers
             ],
         )
         overrides = steps.merged(bench, own.set)
@@ -123,14 +123,15 @@ def worker(spec_path: str, overrides: list[str]) -> None:
 
 
 def floor_recipe(cfg, info, spec: dict) -> dict:
+    from rlhf.rl.rollouts import close_engine
     from rlhf.runtime.dist import barrier, is_main
     from rlhf.steps import ppo
 
-    setup = ppo.set_up(cfg, info)
+    setup = ppo.PPOTrainer(cfg, info)
     for _ in range(spec["warmup"]):
         ppo.iteration(setup)
     repeats = [one_repeat(setup, barrier) for _ in range(spec["repeats"])]
-    setup.rollouts.close()
+    close_engine(setup.rollouts)
     iterations = [r.pop("iteration") for r in repeats]
     parts = {name: statistics.median(r[name] for r in repeats) for name in repeats[0]}
     ratios = [i / sum(r.values()) for i, r in zip(iterations, repeats, strict=True)]
@@ -141,7 +142,7 @@ def floor_recipe(cfg, info, spec: dict) -> dict:
         "parts_s": sum(parts.values()),
         "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "on_policy_shortcut": setup.cfg.ppo.on_policy_shortcut,
+        "on_policy_shortcut": setup.cfg.ppo.update.on_policy_shortcut,
         "rollout_logprobs": setup.collect.rollout_logprobs,
     }
     if is_main():
@@ -162,7 +163,7 @@ def timed(fn, barrier) -> tuple[float, object]:
 
 def one_repeat(setup, barrier) -> dict[str, float]:
     """One iteration and each of its parts alone, on its own batch: the next iteration's prompts
-    and seed (ppo.seed_rollouts), so with the same weights the raw generate draws the very
+    and seed (ppo.rollout.seeded), so with the same weights the raw generate draws the very
     answers the iteration then draws; the forwards the scoring pass makes over them (the actor's
     only where the old log-probs are neither the sampler's nor the update's); then the
     iteration; then the update once more on the batch as scored before it, and the push."""
@@ -177,6 +178,7 @@ def one_repeat(setup, barrier) -> dict[str, float]:
         response_values,
         scoring_args,
     )
+    from rlhf.rl.rollouts import release_engine, sync_weights
     from rlhf.rl.shaping import iteration_shaping
     from rlhf.runtime.dist import rank
     from rlhf.runtime.engine import model_device
@@ -228,5 +230,7 @@ def one_repeat(setup, barrier) -> dict[str, float]:
         lambda: ppo_update(models, fresh, cfg, state, setup.ptx, setup.run.guard, setup.kl.value),
         barrier,
     )
-    out["sync"], _ = timed(lambda: (setup.rollouts.release(), setup.rollouts.sync()), barrier)
+    out["sync"], _ = timed(
+        lambda: (release_engine(setup.rollouts), sync_weights(setup.rollouts)), barrier
+    )
     return out

@@ -36,12 +36,12 @@ COMMON = [
 STEPS = {
     "ppo": [
         "step=ppo",
-        "ppo.per_device_generation_batch_size=4",
-        "ppo.per_device_training_batch_size=4",
-        "ppo.max_new_tokens=16",
-        "ppo.eval_prompts=4",
-        "ppo.eval_samples=1",
-        "ppo.normalize_reward=false",  # the critic is a causal LM with a new value head
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.update.per_device_batch_size=4",
+        "ppo.rollout.max_new_tokens=16",
+        "ppo.eval.prompts=4",
+        "ppo.eval.samples=1",
+        "ppo.reward.normalize=false",  # the critic is a causal LM with a new value head
     ],
     "dpo": ["step=dpo", "optim.micro_batch_size=4", "optim.eval_micro_batch_size=4"],
 }

@@ -1,4 +1,4 @@
-"""``python -m benchmarks rollout``: rollouts on vLLM (ppo.rollout_engine=vllm) against the
+"""``python -m benchmarks rollout``: rollouts on vLLM (ppo.rollout.engine=vllm) against the
 transformers path (hf) on the same prompts: answer tokens/s sampled and greedy, the weight push's
 seconds, and the gap between the engine's log-probs of its sampled tokens and the trainer's
 forward (in the run's dtype, and in fp32). Every answer runs to the same length (no stop at

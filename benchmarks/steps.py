@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rollout-engine",
         default="hf",
         choices=("hf", "vllm"),
-        help="the fast PPO mode's ppo.rollout_engine (vllm: scripts/install_vllm.sh; the "
+        help="the fast PPO mode's ppo.rollout.engine (vllm: scripts/install_vllm.sh; the "
         "baseline always decodes with rlhf's own loop)",
     )
     p.add_argument(
@@ -172,9 +172,9 @@ BASELINE_ATTENTION = "attn_implementation=sdpa"
 # forward for the old log-probs, and every pass over padded rows
 PPO_BASELINE = [
     "data.pad_to_max_len=true",
-    "ppo.stop_at_eos=false",
-    "ppo.rollout_logprobs=false",
-    "ppo.packing=false",
+    "ppo.rollout.stop_at_eos=false",
+    "ppo.rollout.logprobs=false",
+    "ppo.update.packing=false",
 ]
 
 
@@ -205,15 +205,15 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
             "step=ppo",
             *model_overrides("actor.model", actor, args.actor, args),
             *model_overrides("critic.model", critic, args.critic, args),
-            f"ppo.per_device_generation_batch_size={args.ppo_batch}",
-            f"ppo.per_device_training_batch_size={args.ppo_batch}",
-            f"ppo.max_new_tokens={args.max_seq_len - args.max_prompt_len}",
-            "ppo.normalize_reward=false",
-            "ppo.eval_prompts=16",
+            f"ppo.rollout.per_device_batch_size={args.ppo_batch}",
+            f"ppo.update.per_device_batch_size={args.ppo_batch}",
+            f"ppo.rollout.max_new_tokens={args.max_seq_len - args.max_prompt_len}",
+            "ppo.reward.normalize=false",
+            "ppo.eval.prompts=16",
         ]
-        fast_ppo = ["ppo.packing=false"] if args.no_packing else []
+        fast_ppo = ["ppo.update.packing=false"] if args.no_packing else []
         if args.rollout_engine != "hf":  # the fast mode is rlhf's defaults otherwise
-            fast_ppo.append(f"ppo.rollout_engine={args.rollout_engine}")
+            fast_ppo.append(f"ppo.rollout.engine={args.rollout_engine}")
         attention = [f"actor.model.{BASELINE_ATTENTION}", f"critic.model.{BASELINE_ATTENTION}"]
         modes = {"fast": [*common, *fast_ppo], "baseline": [*common, *PPO_BASELINE, *attention]}
         return dschat_modes(section, modes, args) if args.scenario == "dschat" else modes
@@ -233,8 +233,8 @@ def section_modes(section: str, args, actor: str, critic: str) -> dict[str, list
 DSCHAT_EPOCHS = {"sft": DSCHAT_RUNS["sft"][1], "reward": DSCHAT_RUNS["reward"][1]}
 DSCHAT_PPO_BASELINE_EVAL = [
     "step.eval_at_start=false",
-    "ppo.eval_prompts=2",
-    "ppo.eval_samples=1",
+    "ppo.eval.prompts=2",
+    "ppo.eval.samples=1",
 ]
 
 
@@ -242,7 +242,7 @@ def dschat_modes(section: str, modes: dict[str, list[str]], args) -> dict[str, l
     """The dschat scenario's additions to each mode's overrides (PPO: both modes decode as
     --ppo-decoding says)."""
     if section == "ppo":
-        greedy = f"ppo.greedy={str(args.ppo_decoding == 'greedy').lower()}"
+        greedy = f"ppo.rollout.greedy={str(args.ppo_decoding == 'greedy').lower()}"
         extra = {"fast": [greedy], "baseline": [greedy]}
         extra["baseline"] += DSCHAT_PPO_BASELINE_EVAL
     else:

@@ -48,12 +48,12 @@ class Estimator:
     name: str
     compute: Advantages
     needs_critic: bool = False  # builds, scores with and trains a critic
-    group: bool = False  # compares the answers to one prompt: ppo.num_samples_per_prompt >= 2
+    group: bool = False  # compares the answers to one prompt: ppo.rollout.samples_per_prompt >= 2
     greedy_baseline: bool = False  # decodes a greedy answer per prompt as its baseline
     # whitened over the rollout (every rank's tokens): never | always | optional (the key
-    # ppo.whiten_advantages decides)
+    # ppo.advantage.whiten decides)
     whiten: str = "never"
-    aggregation: str = "token-mean"  # ppo.loss_aggregation when that key is null
+    aggregation: str = "token-mean"  # ppo.loss.aggregation when that key is null
 
     @property
     def summary(self) -> str:
@@ -89,7 +89,7 @@ register_estimator("remax", greedy_baseline=True)(estimators.remax)
 # ---------------------------------------------------------------- policy losses
 
 # (logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, dual_clip) ->
-# ((B, R) token losses, stats); the loop aggregates the token losses (ppo.loss_aggregation)
+# ((B, R) token losses, stats); the loop aggregates the token losses (ppo.loss.aggregation)
 TokenLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 
@@ -100,8 +100,8 @@ class PolicyLoss:
 
     name: str
     compute: TokenLoss
-    aggregation: str | None = None  # ppo.loss_aggregation when null, before the estimator's
-    dual_clip: bool = True  # takes ppo.dual_clip
+    aggregation: str | None = None  # ppo.loss.aggregation when null, before the estimator's
+    dual_clip: bool = True  # takes ppo.loss.dual_clip
 
     @property
     def summary(self) -> str:
@@ -130,7 +130,7 @@ register_policy_loss("cispo", dual_clip=False)(policy.cispo_token_loss)
 
 # ---------------------------------------------------------------- KL estimators
 
-# ppo.kl_estimator: rlhf.algos.kl's own table (its functions take an estimator's name, and the
+# ppo.kl.estimator: rlhf.algos.kl's own table (its functions take an estimator's name, and the
 # math may not import the registry); registering here adds to it
 KL_ESTIMATORS: dict[str, KLEstimator] = kl.KL_ESTIMATORS
 
@@ -160,7 +160,7 @@ def kl_needs_logits(name: str) -> bool:
 
 # ---------------------------------------------------------------- rollout corrections
 
-# ppo.rollout_correction: (old_logprobs, sampler_logprobs, response_mask, cap, band) -> (B, R)
+# ppo.rollout.correction: (old_logprobs, sampler_logprobs, response_mask, cap, band) -> (B, R)
 # token weights on the policy loss, the tokens kept, stats (rlhf.algos.correction's modes)
 CORRECTIONS: dict[str, Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]] = {
     mode: partial(correction.rollout_correction, mode=mode)
@@ -172,18 +172,18 @@ CORRECTIONS: dict[str, Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]] 
 
 
 def estimator(ppo: PPOConfig) -> Estimator:
-    return ESTIMATORS[ppo.advantage_estimator]
+    return ESTIMATORS[ppo.advantage.estimator]
 
 
 def policy_loss(ppo: PPOConfig) -> PolicyLoss:
-    return POLICY_LOSSES[ppo.policy_loss]
+    return POLICY_LOSSES[ppo.loss.policy]
 
 
 def rollout_correction(ppo: PPOConfig) -> Callable[..., tuple[Tensor, Tensor, dict]]:
-    """The sampler / trainer mismatch correction (ppo.rollout_correction, resolved) with its cap
+    """The sampler / trainer mismatch correction (ppo.rollout.correction, resolved) with its cap
     and band: (old_logprobs, sampler_logprobs, response_mask) -> (weights, kept, stats)."""
-    correct = CORRECTIONS[ppo.correction]
-    return partial(correct, cap=ppo.tis_cap, band=tuple(ppo.correction_band))
+    correct = CORRECTIONS[ppo.rollout.correction_mode]
+    return partial(correct, cap=ppo.rollout.tis_cap, band=tuple(ppo.rollout.correction_band))
 
 
 def uses_critic(ppo: PPOConfig) -> bool:
@@ -193,29 +193,35 @@ def uses_critic(ppo: PPOConfig) -> bool:
 
 def reads_critic_path(ppo: PPOConfig) -> bool:
     """critic.model.path names the critic's start (an estimator with a critic) or the reward
-    model (no ppo.reward_function); a critic-free estimator with a reward function reads
+    model (no ppo.reward.function); a critic-free estimator with a reward function reads
     neither."""
-    return uses_critic(ppo) or ppo.reward_function is None
+    return uses_critic(ppo) or ppo.reward.function is None
 
 
 def whitens(ppo: PPOConfig) -> bool:
     """Whether an iteration's advantages are whitened over the rollout of every rank."""
     whiten = estimator(ppo).whiten
-    return whiten == "always" or (whiten == "optional" and ppo.whiten_advantages)
+    return whiten == "always" or (whiten == "optional" and ppo.advantage.whiten)
 
 
 def loss_aggregation(ppo: PPOConfig) -> str:
-    """ppo.loss_aggregation, resolved: null takes the policy loss's own (GSPO: per answer),
+    """ppo.loss.aggregation, resolved: null takes the policy loss's own (GSPO: per answer),
     else the estimator's (GRPO: per answer, then over answers; the others: per token)."""
-    if ppo.loss_aggregation is not None:
-        return ppo.loss_aggregation
+    if ppo.loss.aggregation is not None:
+        return ppo.loss.aggregation
+    return policy_loss(ppo).aggregation or estimator(ppo).aggregation
+
+
+def loss_aggregation_default(ppo: PPOConfig) -> str:
+    """What ppo.loss.aggregation=null means: the policy loss's own (GSPO: per answer), else the
+    estimator's (GRPO: per answer, then over answers; the others: per token)."""
     return policy_loss(ppo).aggregation or estimator(ppo).aggregation
 
 
 def clip_range(ppo: PPOConfig) -> tuple[float, float]:
     """The ratio's clip (low, high): 1 - low to 1 + high; each side defaults to clip_range."""
-    low = ppo.clip_range if ppo.clip_low is None else ppo.clip_low
-    high = ppo.clip_range if ppo.clip_high is None else ppo.clip_high
+    low = ppo.loss.clip_range if ppo.loss.clip_low is None else ppo.loss.clip_low
+    high = ppo.loss.clip_range if ppo.loss.clip_high is None else ppo.loss.clip_high
     return low, high
 
 
@@ -223,10 +229,10 @@ def listing() -> dict[str, dict[str, str]]:
     """Each ppo.* key that names a registry entry -> {name: its one-line summary}, in the
     order registered: ``--help`` and docs/config.md show them after the key's meaning."""
     return {
-        "ppo.advantage_estimator": {n: e.summary for n, e in ESTIMATORS.items()},
-        "ppo.policy_loss": {n: loss.summary for n, loss in POLICY_LOSSES.items()},
-        "ppo.kl_estimator": {n: summary(e.compute) for n, e in KL_ESTIMATORS.items()},
-        "ppo.rollout_correction": {
+        "ppo.advantage.estimator": {n: e.summary for n, e in ESTIMATORS.items()},
+        "ppo.loss.policy": {n: loss.summary for n, loss in POLICY_LOSSES.items()},
+        "ppo.kl.estimator": {n: summary(e.compute) for n, e in KL_ESTIMATORS.items()},
+        "ppo.rollout.correction": {
             n: summary(mode) for n, mode in correction.ROLLOUT_CORRECTIONS.items()
         },
     }
@@ -244,71 +250,73 @@ def problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
 def name_problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
     """The names no table holds, each with the names it does."""
     out: list[tuple[str, Any, str]] = []
-    name = ppo.advantage_estimator
+    name = ppo.advantage.estimator
     if name not in ESTIMATORS:
-        out.append(("ppo.advantage_estimator", name, f"one of {', '.join(ESTIMATORS)}"))
-    if ppo.policy_loss not in POLICY_LOSSES:
-        out.append(("ppo.policy_loss", ppo.policy_loss, f"one of {', '.join(POLICY_LOSSES)}"))
-    if ppo.loss_aggregation is not None and ppo.loss_aggregation not in LOSS_AGGREGATIONS:
+        out.append(("ppo.advantage.estimator", name, f"one of {', '.join(ESTIMATORS)}"))
+    if ppo.loss.policy not in POLICY_LOSSES:
+        out.append(("ppo.loss.policy", ppo.loss.policy, f"one of {', '.join(POLICY_LOSSES)}"))
+    if ppo.loss.aggregation is not None and ppo.loss.aggregation not in LOSS_AGGREGATIONS:
         accepted = f"null or one of {', '.join(LOSS_AGGREGATIONS)}"
-        out.append(("ppo.loss_aggregation", ppo.loss_aggregation, accepted))
-    if ppo.kl_estimator not in KL_ESTIMATORS:
-        out.append(("ppo.kl_estimator", ppo.kl_estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
-    if ppo.correction not in CORRECTIONS:
+        out.append(("ppo.loss.aggregation", ppo.loss.aggregation, accepted))
+    if ppo.kl.estimator not in KL_ESTIMATORS:
+        out.append(("ppo.kl.estimator", ppo.kl.estimator, f"one of {', '.join(KL_ESTIMATORS)}"))
+    if ppo.rollout.correction_mode not in CORRECTIONS:
         accepted = f"null or one of {', '.join(CORRECTIONS)}"
-        out.append(("ppo.rollout_correction", ppo.rollout_correction, accepted))
+        out.append(("ppo.rollout.correction", ppo.rollout.correction, accepted))
     return out
 
 
 def dependency_problems(ppo: PPOConfig) -> list[tuple[str, Any, str]]:
     """The keys that do not fit what the named entries need (names known)."""
     out: list[tuple[str, Any, str]] = []
-    name = ppo.advantage_estimator
-    if kl_needs_logits(ppo.kl_estimator) and ppo.rollout_logprobs:
+    name = ppo.advantage.estimator
+    if kl_needs_logits(ppo.kl.estimator) and ppo.rollout.logprobs:
         out.append(
             (
-                "ppo.rollout_logprobs",
+                "ppo.rollout.logprobs",
                 True,
-                f"null or false with kl_estimator={ppo.kl_estimator} (it needs the actor's "
+                f"null or false with ppo.kl.estimator={ppo.kl.estimator} (it needs the actor's "
                 "distributions, which the sampler does not keep)",
             )
         )
-    spec, loss = ESTIMATORS[name], POLICY_LOSSES[ppo.policy_loss]
+    spec, loss = ESTIMATORS[name], POLICY_LOSSES[ppo.loss.policy]
     groups = [n for n, e in ESTIMATORS.items() if e.group]
-    if spec.group and ppo.num_samples_per_prompt < 2:
+    if spec.group and ppo.rollout.samples_per_prompt < 2:
         out.append(
             (
-                "ppo.num_samples_per_prompt",
-                ppo.num_samples_per_prompt,
-                f"an integer >= 2 with advantage_estimator={name} (a group of answers)",
+                "ppo.rollout.samples_per_prompt",
+                ppo.rollout.samples_per_prompt,
+                f"an integer >= 2 with ppo.advantage.estimator={name} (a group of answers)",
             )
         )
-    if ppo.dynamic_sampling and not spec.group:
+    if ppo.advantage.dynamic_sampling and not spec.group:
         out.append(
             (
-                "ppo.dynamic_sampling",
+                "ppo.advantage.dynamic_sampling",
                 True,
                 f"false unless advantage_estimator is one of {', '.join(groups)} (only there "
                 "does a group of equal scores have zero advantage)",
             )
         )
-    if ppo.greedy and (spec.group or spec.greedy_baseline):
+    if ppo.rollout.greedy and (spec.group or spec.greedy_baseline):
         out.append(
             (
-                "ppo.greedy",
+                "ppo.rollout.greedy",
                 True,
-                f"false with advantage_estimator={name} (greedy answers equal their "
+                f"false with ppo.advantage.estimator={name} (greedy answers equal their "
                 "baseline: every advantage would be 0)",
             )
         )
-    if ppo.dual_clip is not None and not loss.dual_clip:
-        out.append(("ppo.dual_clip", ppo.dual_clip, f"null with policy_loss={loss.name}"))
-    if ppo.critic_warmup_steps > 0 and not spec.needs_critic:
+    if ppo.loss.dual_clip is not None and not loss.dual_clip:
+        out.append(
+            ("ppo.loss.dual_clip", ppo.loss.dual_clip, f"null with ppo.loss.policy={loss.name}")
+        )
+    if ppo.update.critic_warmup_steps > 0 and not spec.needs_critic:
         out.append(
             (
-                "ppo.critic_warmup_steps",
-                ppo.critic_warmup_steps,
-                f"0 with advantage_estimator={name}, which trains no critic",
+                "ppo.update.critic_warmup_steps",
+                ppo.update.critic_warmup_steps,
+                f"0 with ppo.advantage.estimator={name}, which trains no critic",
             )
         )
     return out

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install vLLM for ppo.rollout_engine=vllm into the environment whose pip is given, and check it.
+# Install vLLM for ppo.rollout.engine=vllm into the environment whose pip is given, and check it.
 #
 #   scripts/install_vllm.sh                      # the active environment's `pip`
 #   scripts/install_vllm.sh .venv/bin/pip        # another environment's pip
@@ -14,7 +14,7 @@
 # RLHF_VLLM=cpu|cuda overrides the choice. Install the project first (pip install -e .).
 set -euo pipefail
 
-VLLM_VERSION=0.32.0  # rlhf.rl.vllm_engine.TESTED_VLLM_VERSION
+VLLM_VERSION=0.32.0  # rlhf.runtime.vllm_install.TESTED_VLLM_VERSION
 pip_cmd=("$@")
 [[ ${#pip_cmd[@]} -eq 0 ]] && pip_cmd=(pip)
 if [[ $(basename "${pip_cmd[0]}") == python* ]]; then

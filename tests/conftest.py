@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from rlhf.__main__ import _run_time_str
+from rlhf.cli.ranks import run_time_str
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -64,7 +64,7 @@ def compose(overrides=(), hydra_config: bool = False) -> DictConfig:
 def compose_sweep(name: str, overrides=(), hydra_config: bool = False) -> DictConfig:
     """As ``python -m rlhf -cd sweeps -cn NAME``: the sweep file is primary, conf/ is searched;
     as in a job, ${hydra:...} and ${rlhf_now:...} resolve."""
-    OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
+    OmegaConf.register_new_resolver("rlhf_now", run_time_str, replace=True)
     with hydra.initialize_config_dir(config_dir=str(SWEEPS_DIR), version_base="1.3"):
         cfg = hydra.compose(
             name, [f"hydra.searchpath=[file://{CONF_DIR}]", *overrides], return_hydra_config=True

@@ -29,8 +29,10 @@ def main() -> None:
     from rlhf.steps import ppo
 
     for decoder in (rollouts.HFDecoder, rollouts.VLLMDecoder):
+        # release and sync: only the decoder that holds weights of its own has them
         for name in ("generate", "release", "sync"):
-            setattr(decoder, name, recorded(name, getattr(decoder, name)))
+            if hasattr(decoder, name):
+                setattr(decoder, name, recorded(name, getattr(decoder, name)))
     ppo.ppo_update = recorded("update", ppo.ppo_update)
     if sleep:
         emulate_sleep_mode()

@@ -120,6 +120,78 @@ def test_no_cycle():
             visit(name, [name])
 
 
+def reachable(start: str, edges: dict[str, set[str]]) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_checks_import_nothing_from_rl():
+    """The pre-flight and the launch checks run before any model or process group: they need
+    the config, the data adapters and model facts, never the RL machinery (rlhf.rl), not even
+    through another module or inside a function."""
+    edges = graph()
+    found = sorted(
+        f"{name} -> {target}"
+        for name in edges
+        if name == "rlhf.checks" or name.startswith("rlhf.checks.")
+        for target in reachable(name, edges)
+        if target == "rlhf.rl" or target.startswith("rlhf.rl.")
+    )
+    assert found == []
+
+
+MAX_LINES = 400
+MAX_ROOT_MODULES = 8
+
+
+def test_no_module_is_over_400_lines():
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these by concern (at most {MAX_LINES} lines a module)"
+
+
+def test_the_package_root_holds_few_modules():
+    """The package root is for the entry and what every layer shares; the rest lives in the
+    subpackages (the command-line tools in rlhf/cli/)."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_no_two_modules_share_a_name():
+    """A file name says which module it is: no two modules in rlhf/ share a stem. The
+    exceptions: ``__init__.py``, and a schema module ``rlhf/config/<name>.py`` whose name is
+    the config node it describes: a conf/ group (``ppo``, ``data``...) or a top-level section
+    of the config (``sft``, ``reward``, ``dpo``, whose keys conf/step/ sets), so that
+    ``rlhf/config/ppo.py`` may sit beside the recipe ``rlhf/steps/ppo.py``."""
+    from dataclasses import fields
+
+    from rlhf.config import Config
+
+    nodes = {p.name for p in (PACKAGE.parent / "conf").iterdir() if p.is_dir()}
+    nodes |= {f.name for f in fields(Config)}
+    by_stem: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        schema = path.parent == PACKAGE / "config" and path.stem in nodes
+        if path.name != "__init__.py" and not schema:
+            by_stem.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert {stem: paths for stem, paths in by_stem.items() if len(paths) > 1} == {}
+
+
+def test_the_walk_follows_imports_through_other_modules():
+    """What a module imports through another counts (else the rl test proves nothing)."""
+    edges = {"rlhf.checks.a": {"rlhf.data.b"}, "rlhf.data.b": {"rlhf.rl.c"}, "rlhf.rl.c": set()}
+    assert reachable("rlhf.checks.a", edges) == {"rlhf.data.b", "rlhf.rl.c"}
+
+
 def test_nothing_in_the_wheel_imports_the_benchmarks():
     """benchmarks/ (``python -m benchmarks``) stays in the checkout: an installed rlhf that
     imported it would fail."""

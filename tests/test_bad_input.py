@@ -16,8 +16,16 @@ import pytest
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.checks import validate as preflight
-from rlhf.config import ConfigError, DataConfig, ModelConfig, SourceConfig, register_configs
+from rlhf.checks import lengths, validate
+from rlhf.checks import model_dirs as model_checks
+from rlhf.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    SourceConfig,
+    register_configs,
+    unknown_keys,
+)
 from rlhf.data import prepare
 from rlhf.data.sources import SourceError
 from rlhf.modeling import loading
@@ -270,7 +278,7 @@ MODELS = [
             "critic.model.path={sft}",
             "critic.reward_model_path={sft}",
         ],
-        ["critic.reward_model_path={sft}", "a causal LM (OPTForCausalLM", "ppo.reward_function"],
+        ["critic.reward_model_path={sft}", "a causal LM (OPTForCausalLM", "ppo.reward.function"],
     ),
     (
         "reward-model-as-sft-base",
@@ -303,9 +311,9 @@ MODELS = [
             "step=ppo",
             "actor.model.path={sft}",
             "critic.model.path={reward}",
-            "ppo.per_device_training_batch_size=3",
+            "ppo.update.per_device_batch_size=3",
         ],
-        ["ppo.per_device_training_batch_size=3", "(32)"],
+        ["ppo.update.per_device_batch_size=3", "(32)"],
     ),
     (
         "bad-overlong-policy",
@@ -337,23 +345,23 @@ def test_preflight_accepts_matching_models(model_dirs):
     cfg.step.name = "ppo"
     cfg.actor.model.path = str(model_dirs["sft"])
     cfg.critic.model.path = str(model_dirs["reward"])
-    assert preflight.model_problems(cfg) == []
+    assert model_checks.model_problems(cfg) == []
     cfg.critic.model.path = str(model_dirs["sft"])  # a causal LM as critic: it gets a new head
     cfg.critic.reward_model_path = str(model_dirs["reward"])  # ...and the reward model scores
-    assert preflight.model_problems(cfg) == []
+    assert model_checks.model_problems(cfg) == []
     cfg.critic.reward_model_path = None
-    cfg.ppo.reward_function = "toy_gold"  # ...or a rule scores
-    assert preflight.model_problems(cfg) == []
-    cfg.ppo.reward_function, cfg.critic.model.path = None, str(model_dirs["reward"])
+    cfg.ppo.reward.function = "toy_gold"  # ...or a rule scores
+    assert model_checks.model_problems(cfg) == []
+    cfg.ppo.reward.function, cfg.critic.model.path = None, str(model_dirs["reward"])
     cfg.actor.model.path = "facebook/opt-125m"  # hub ids are not checked offline
-    assert preflight.model_problems(cfg) == []
+    assert model_checks.model_problems(cfg) == []
 
 
 def test_vocab_problem_is_pure_and_names_both_paths():
-    assert preflight.vocab_problem("model.path", "/m", "/t", 1000, 1000) is None
-    message = preflight.vocab_problem("actor.model.path", "/m", "/t", 32000, 50272)
+    assert model_checks.vocab_problem("model.path", "/m", "/t", 1000, 1000) is None
+    message = model_checks.vocab_problem("actor.model.path", "/m", "/t", 32000, 50272)
     assert message is None  # a smaller tokenizer indexes only existing rows
-    message = preflight.vocab_problem("actor.model.path", "/m", "/t", 50265, 32000)
+    message = model_checks.vocab_problem("actor.model.path", "/m", "/t", 50265, 32000)
     assert "actor.model.tokenizer=/t" in message and "actor.model.path=/m" in message
     assert "50265" in message and "32000" in message
 
@@ -470,24 +478,24 @@ def test_fitted_lengths_keep_answers_within_the_positions(model_dirs):
 
     config = Config()
     config.data.max_seq_len, config.data.max_prompt_len = 512, 256
-    assert preflight.positions(config) == (
+    assert lengths.positions(config) == (
         256,
         "model.init.max_position_embeddings=256, the embedded model",
     )
-    assert preflight.fitted_lengths(config, 256) == {
+    assert lengths.fitted_lengths(config, 256) == {
         "data.max_seq_len": 256,
         "data.max_prompt_len": 128,
     }
     # the gold evaluation of a task's prompts generates after the prompt: its answer is cut too
     config.data.sources = {"toy": SourceConfig(adapter="toy", num_rows=100)}
     config.sft.gen_max_new_tokens = 200
-    assert preflight.fitted_lengths(config, 256)["sft.gen_max_new_tokens"] == 128
+    assert lengths.fitted_lengths(config, 256)["sft.gen_max_new_tokens"] == 128
     config.step.name = "ppo"
     config.actor.model.path = config.critic.model.path = str(model_dirs["sft"])
-    config.ppo.max_new_tokens = 4000
-    known = preflight.positions(config)
+    config.ppo.rollout.max_new_tokens = 4000
+    known = lengths.positions(config)
     assert known[0] == 2048 and "config.json of actor.model.path=" in known[1]
-    assert preflight.fitted_lengths(config, known[0]) == {"ppo.max_new_tokens": 2048 - 256}
+    assert lengths.fitted_lengths(config, known[0]) == {"ppo.rollout.max_new_tokens": 2048 - 256}
 
 
 def test_the_readmes_prompt_template_gives_real_newlines(tmp_path):
@@ -508,7 +516,7 @@ def test_the_readmes_prompt_template_gives_real_newlines(tmp_path):
         ]
     )
     assert cfg.data.sources.local.prompt_template.startswith("\\n\\nHuman:")  # as typed
-    source = preflight.validated(cfg).data.sources["local"]
+    source = validate.validated(cfg).data.sources["local"]
     prompts = load_source(source, "train", 0).rows["prompt"]
     assert all(p.startswith("\n\nHuman: Q") and p.endswith("?\n\nAssistant:") for p in prompts)
 
@@ -525,12 +533,12 @@ def test_unknown_keys_in_a_composed_config_name_the_closest(tmp_path):
     from tests.conftest import compose
 
     with pytest.raises(ConfigError) as err:
-        preflight.validated(compose(["+ppo.kl_coeff=0.2", "++data.max_seq_length=64"]))
+        validate.validated(compose(["+ppo.kl_coeff=0.2", "++data.max_seq_length=64"]))
     lines = str(err.value).splitlines()
-    assert "  ppo.kl_coeff: no such key; the closest known key is ppo.kl_coef" in lines
+    assert "  ppo.kl_coeff: no such key; the closest known key is ppo.kl.coef" in lines
     assert "  data.max_seq_length: no such key; the closest known key is data.max_seq_len" in lines
     # a free name under a dict of the schema (OPTConfig arguments) is a known key
-    assert preflight.unknown_keys(compose(["+model.init.layerdrop=0.0"])) == []
+    assert unknown_keys(compose(["+model.init.layerdrop=0.0"])) == []
 
 
 def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
@@ -540,7 +548,7 @@ def _checkpoint_of(run_dir: Path, overrides: list[str]) -> Path:
 
     from tests.conftest import compose
 
-    made_under = dataclasses.asdict(preflight.validated(compose(overrides)))
+    made_under = dataclasses.asdict(validate.validated(compose(overrides)))
     step = run_dir / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
     from rlhf.runtime.manifest import Part
@@ -578,8 +586,9 @@ def test_resuming_a_run_made_under_another_config_is_refused(tmp_path, cache_dir
 def test_what_a_resumed_run_may_change():
     from rlhf.runtime import resume
 
+    # saved before PPO's keys were nested (ppo.eval.samples): read as ppo.eval.samples
     saved = {"optim": {"lr": 0.001}, "step": {"log_interval": 10}, "ppo": {"eval_samples": 4}}
-    same = {"optim": {"lr": 0.001}, "step": {"log_interval": 1}, "ppo": {"eval_samples": 8}}
+    same = {"optim": {"lr": 0.001}, "step": {"log_interval": 1}, "ppo": {"eval": {"samples": 8}}}
     assert resume.config_differences(saved, same) == []
     other = {**same, "optim": {"lr": 0.01}, "seed": 7}
     assert resume.config_differences(saved, other) == [
@@ -781,9 +790,9 @@ def test_top_level_model_values_in_ppo(model_dirs, tmp_path, cache_dir):
 
     sft, reward = str(model_dirs["sft"]), str(model_dirs["reward"])
     roles = [f"actor.model.path={sft}", f"critic.model.path={reward}"]
-    config = preflight.validated(compose(["step=ppo", "model.dtype=bf16", *roles]))
+    config = validate.validated(compose(["step=ppo", "model.dtype=bf16", *roles]))
     assert (config.actor.model.dtype, config.critic.model.dtype) == ("bf16", "bf16")
-    own = preflight.validated(
+    own = validate.validated(
         compose(["step=ppo", "model.dtype=bf16", "critic.model.dtype=fp32", *roles])
     )
     assert (own.actor.model.dtype, own.critic.model.dtype) == ("bf16", "fp32")
@@ -877,7 +886,7 @@ def _safetensors_enospc() -> Exception:
     "full_disk", [_enospc, _safetensors_enospc], ids=["oserror", "safetensors"]
 )
 def test_a_full_disk_at_the_export_leaves_the_old_export_intact(tmp_path, full_disk):
-    from rlhf.modeling.loading import ExportError, export_pretrained
+    from rlhf.modeling.export import ExportError, export_pretrained
 
     tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = OPTConfig(

@@ -206,7 +206,7 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
         "actor.model.attn_implementation=sdpa",
         "critic.model.attn_implementation=sdpa",
     }
-    assert "ppo.stop_at_eos=false" in steps.PPO_BASELINE
+    assert "ppo.rollout.stop_at_eos=false" in steps.PPO_BASELINE
     assert "actor.model.path=ACTOR" in ppo["fast"] and "critic.model.path=CRITIC" in ppo["fast"]
     with_trl = steps.parse_args(["--out", str(tmp_path)])
     assert ("trl" in steps.section_modes("reward", with_trl, "A", "C")) == bool(
@@ -279,9 +279,9 @@ def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
     args = steps.parse_args(["--out", str(tmp_path), "--scenario", "dschat", "--no-trl"])
     ppo = steps.section_modes("ppo", args, "ACTOR", "CRITIC")
     for mode in ("fast", "baseline"):  # rlhf's decoding, sampled at T=1, in both modes
-        assert "ppo.greedy=false" in ppo[mode]
-        assert "ppo.per_device_generation_batch_size=4" in ppo[mode]
-        assert "ppo.max_new_tokens=128" in ppo[mode]
+        assert "ppo.rollout.greedy=false" in ppo[mode]
+        assert "ppo.rollout.per_device_batch_size=4" in ppo[mode]
+        assert "ppo.rollout.max_new_tokens=128" in ppo[mode]
     # prompts padded to 128, answers to the cap, old log-probs recomputed, no evaluation but
     # rlhf's final one (2 prompts)
     assert set(steps.PPO_BASELINE) | set(steps.DSCHAT_PPO_BASELINE_EVAL) <= set(ppo["baseline"])
@@ -305,7 +305,7 @@ def test_the_dschat_baseline_does_deepspeed_chats_per_step_work(tmp_path):
         ]
     )
     ppo = steps.section_modes("ppo", greedy, "ACTOR", "CRITIC")
-    assert all("ppo.greedy=true" in ppo[mode] for mode in ("fast", "baseline"))
+    assert all("ppo.rollout.greedy=true" in ppo[mode] for mode in ("fast", "baseline"))
 
 
 @pytest.mark.slow

@@ -182,7 +182,7 @@ def test_step1_sweep_is_deepspeed_chats_grid():
 
 BAD_VALUES = [
     # overrides, key, value as reported, a piece of what is accepted
-    (["ppo.rollout_engine=sglang"], "ppo.rollout_engine", "'sglang'", "one of hf, vllm"),
+    (["ppo.rollout.engine=sglang"], "ppo.rollout.engine", "'sglang'", "one of hf, vllm"),
     # accepted and meaningless: without frozen base weights the reference is a full copy anyway
     (["lora=none", "lora.reference_copy=true"], "lora.reference_copy", "True", "lora.rank > 0"),
     (
@@ -192,68 +192,73 @@ BAD_VALUES = [
         "only_optimize_lora=true",
     ),
     (
-        ["ppo.rollout_engine=vllm", "actor.hybrid_engine=true"],
+        ["ppo.rollout.engine=vllm", "actor.hybrid_engine=true"],
         "actor.hybrid_engine",
         "True",
         "vLLM decodes the rollouts",
     ),
-    (["ppo.rollout_correction=tis"], "ppo.rollout_correction", "'tis'", "rollout_engine=hf"),
+    (["ppo.rollout.correction=tis"], "ppo.rollout.correction", "'tis'", "engine=hf"),
     (
-        ["ppo.rollout_engine=vllm", "ppo.rollout_correction=icepop"],
-        "ppo.rollout_correction",
+        ["ppo.rollout.engine=vllm", "ppo.rollout.correction=icepop"],
+        "ppo.rollout.correction",
         "'icepop'",
         "one of none, tis, mask_token, mask_sequence",
     ),
-    (["ppo.rollout_engine=vllm", "ppo.tis_cap=0.5"], "ppo.tis_cap", "0.5", ">= 1"),
+    (["ppo.rollout.engine=vllm", "ppo.rollout.tis_cap=0.5"], "ppo.rollout.tis_cap", "0.5", ">= 1"),
     (
-        ["ppo.rollout_engine=vllm", "ppo.correction_band=[1,2]"],
-        "ppo.correction_band",
+        ["ppo.rollout.engine=vllm", "ppo.rollout.correction_band=[1,2]"],
+        "ppo.rollout.correction_band",
         "[1.0, 2.0]",
         "0 <= low < 1 < high",
     ),
     (
-        ["ppo.rollout_engine=vllm", "ppo.generation_cache=static"],
-        "ppo.generation_cache",
+        ["ppo.rollout.engine=vllm", "ppo.rollout.cache=static"],
+        "ppo.rollout.cache",
         "'static'",
         "hf path's decoding",
     ),
     (
-        ["ppo.rollout_engine=vllm", "ppo.drop_finished_rows=false"],
-        "ppo.drop_finished_rows",
+        ["ppo.rollout.engine=vllm", "ppo.rollout.drop_finished_rows=false"],
+        "ppo.rollout.drop_finished_rows",
         "False",
         "hf path's decoding",
     ),
     (
-        ["ppo.rollout_engine=vllm", "ppo.rollout_logprobs=true"],
-        "ppo.rollout_logprobs",
+        ["ppo.rollout.engine=vllm", "ppo.rollout.logprobs=true"],
+        "ppo.rollout.logprobs",
         "True",
         "the old log-probs are the trainer's",
     ),
-    (["ppo.vllm.sync_bucket_mb=0"], "ppo.vllm.sync_bucket_mb", "0", ">= 1"),
-    (["ppo.vllm.kv_cache_gb=0"], "ppo.vllm.kv_cache_gb", "0.0", "null or a float > 0"),
-    (["ppo.vllm.sleep_level=3"], "ppo.vllm.sleep_level", "3", "1 or 2"),
+    (["ppo.rollout.vllm.sync_bucket_mb=0"], "ppo.rollout.vllm.sync_bucket_mb", "0", ">= 1"),
     (
-        ["ppo.vllm.gpu_memory_utilization=1.5"],
-        "ppo.vllm.gpu_memory_utilization",
+        ["ppo.rollout.vllm.kv_cache_gb=0"],
+        "ppo.rollout.vllm.kv_cache_gb",
+        "0.0",
+        "null or a float > 0",
+    ),
+    (["ppo.rollout.vllm.sleep_level=3"], "ppo.rollout.vllm.sleep_level", "3", "1 or 2"),
+    (
+        ["ppo.rollout.vllm.gpu_memory_utilization=1.5"],
+        "ppo.rollout.vllm.gpu_memory_utilization",
         "1.5",
         "null or in (0, 1]",
     ),
-    (["ppo.reward_function=nope"], "ppo.reward_function", "'nope'", "module:function"),
+    (["ppo.reward.function=nope"], "ppo.reward.function", "'nope'", "module:function"),
     (
-        ["ppo.reward_function=json:no_such_function"],
-        "ppo.reward_function",
+        ["ppo.reward.function=json:no_such_function"],
+        "ppo.reward.function",
         "'json:no_such_function'",
         "json has no callable no_such_function",
     ),
     (
-        ["ppo.reward_function=toy_gold", "ppo.normalize_reward=true"],
-        "ppo.normalize_reward",
+        ["ppo.reward.function=toy_gold", "ppo.reward.normalize=true"],
+        "ppo.reward.normalize",
         "True",
-        "false with ppo.reward_function set",
+        "false with ppo.reward.function set",
     ),
     (
-        ["ppo.reward_function=toy_gold", "data=rm-static"],
-        "ppo.reward_function",
+        ["ppo.reward.function=toy_gold", "data=rm-static"],
+        "ppo.reward.function",
         "'toy_gold'",
         "rm-static are not toy",
     ),
@@ -274,10 +279,10 @@ BAD_VALUES = [
     (["data.sources.toy.adapter=bogus"], "data.sources.toy.adapter", "'bogus'", "rm-static"),
     (["logger.backend=foo"], "logger.backend", "'foo'", "wandb"),
     (
-        ["step=ppo", "ppo.drop_finished_rows=true", "ppo.generation_cache=static"],
-        "ppo.drop_finished_rows",
+        ["step=ppo", "ppo.rollout.drop_finished_rows=true", "ppo.rollout.cache=static"],
+        "ppo.rollout.drop_finished_rows",
         "True",
-        "generation_cache=dynamic",
+        "cache=dynamic",
     ),
     (
         ["reward.share_prompt=true", "reward.loss=divergence_span"],
@@ -286,23 +291,23 @@ BAD_VALUES = [
         "pairwise, mse only",
     ),
     (
-        ["step=ppo", "ppo.generation_cache=paged"],
-        "ppo.generation_cache",
+        ["step=ppo", "ppo.rollout.cache=paged"],
+        "ppo.rollout.cache",
         "'paged'",
         "dynamic, static",
     ),
-    (["step=ppo", "ppo.kl_estimator=k4"], "ppo.kl_estimator", "'k4'", "k1, k2, k3, full"),
+    (["step=ppo", "ppo.kl.estimator=k4"], "ppo.kl.estimator", "'k4'", "k1, k2, k3, full"),
     (
-        ["step=ppo", "ppo.target_kl=0"],
-        "ppo.target_kl",
+        ["step=ppo", "ppo.update.target_kl=0"],
+        "ppo.update.target_kl",
         "0.0",
         "null (no early stop) or a float > 0",
     ),
     (
-        ["step=ppo", "ppo.kl_estimator=full", "ppo.rollout_logprobs=true"],
-        "ppo.rollout_logprobs",
+        ["step=ppo", "ppo.kl.estimator=full", "ppo.rollout.logprobs=true"],
+        "ppo.rollout.logprobs",
         "True",
-        "null or false with kl_estimator=full",
+        "null or false with ppo.kl.estimator=full",
     ),
 ]
 
@@ -327,11 +332,11 @@ def test_the_names_the_checks_accept_are_the_registrys():
 
     assert not hasattr(schema, "ROLLOUT_CORRECTIONS") and not hasattr(schema, "KL_ESTIMATORS")
     for key, table, bad in [
-        ("ppo.rollout_correction", registry.CORRECTIONS, "icepop"),
-        ("ppo.kl_estimator", registry.KL_ESTIMATORS, "k4"),
+        ("ppo.rollout.correction", registry.CORRECTIONS, "icepop"),
+        ("ppo.kl.estimator", registry.KL_ESTIMATORS, "k4"),
     ]:
         with pytest.raises(ConfigError) as err:
-            validated(compose(["ppo.rollout_engine=vllm", f"{key}={bad}"]))
+            validated(compose(["ppo.rollout.engine=vllm", f"{key}={bad}"]))
         assert f"{key}='{bad}': expected " in str(err.value)
         assert ", ".join(table) in str(err.value)
 
@@ -340,9 +345,9 @@ def test_vllm_rollouts_where_vllm_is_missing_are_refused_before_any_model(monkey
     from rlhf.checks import validate
 
     monkeypatch.setattr(validate, "vllm_problem", lambda: "vLLM is not installed here")
-    config = validated(compose(["step=all", "ppo.rollout_engine=vllm"]))
-    assert "ppo.rollout_engine=vllm: vLLM is not installed here" in validate.launch_problems(config)
-    config = validated(compose(["step=sft", "ppo.rollout_engine=vllm"]))
+    config = validated(compose(["step=all", "ppo.rollout.engine=vllm"]))
+    assert "ppo.rollout.engine=vllm: vLLM is not installed here" in validate.launch_problems(config)
+    config = validated(compose(["step=sft", "ppo.rollout.engine=vllm"]))
     assert not any("vLLM" in p for p in validate.launch_problems(config))
 
 
@@ -418,7 +423,7 @@ def test_a_plain_run_uses_the_schema_defaults():
     chosen.add("model.init_seed")  # model=tiny: the run's seed, and its PPO sizes
     chosen |= {
         f"ppo.{k}"
-        for k in ("kl_coef", *(f"per_device_{b}_batch_size" for b in ("generation", "training")))
+        for k in ("kl.coef", "rollout.per_device_batch_size", "update.per_device_batch_size")
     }
     for step, expected in own.items():
         composed = OmegaConf.to_container(compose([f"step={step}"]), resolve=True)
@@ -432,13 +437,13 @@ def test_a_plain_run_uses_the_schema_defaults():
 
 def test_help_prints_each_key_with_its_composed_value_and_meaning():
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf", "ppo.kl_coef=0.3", "--help"],
+        [sys.executable, "-m", "rlhf", "ppo.kl.coef=0.3", "--help"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "COLUMNS": "120"},  # meanings beside their keys (80: below them)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("ppo.kl_coef="))
-    assert "ppo.kl_coef=0.3" in line and "KL penalty" in line
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("ppo.kl.coef="))
+    assert "ppo.kl.coef=0.3" in line and "KL penalty" in line
     assert "step: all, dpo, ppo, reward, sft" in proc.stdout
 
 

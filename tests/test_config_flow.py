@@ -14,7 +14,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf.checks.validate import dropout_problems, validated
+from rlhf.checks.ppo_launch import dropout_problems
+from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, register_configs
 from rlhf.config.sharing import SHARED_GROUPS, share_command_line, shared_keys, unread_problems
 from rlhf.steps.all import compose_steps, path_override
@@ -110,7 +111,7 @@ def test_a_top_level_key_no_ppo_model_reads_is_refused_by_name():
     problems = unread_problems("ppo", ["optim.epochs=2", "optim.lr=1e-5", "model.path=x"])
     assert len(problems) == 2
     assert problems[0].startswith("optim.epochs=2: step=ppo does not read optim.epochs")
-    assert "ppo.epochs" in problems[0]
+    assert "ppo.update.prompt_epochs" in problems[0]
     assert problems[1].startswith("model.path=x: step=ppo does not read model.path")
     # step=all's SFT and reward steps read them
     assert unread_problems("all", ["optim.epochs=2", "model.path=x"]) == []
@@ -143,7 +144,7 @@ def test_lora_dropout_reaches_the_ppo_models_and_is_refused(tmp_path):
 TOY = {
     "sft": {"optim.lr": 2e-3, "optim.epochs": 6, "optim.micro_batch_size": 32},
     "reward": {"optim.lr": 2e-4, "optim.epochs": 3, "optim.micro_batch_size": 16},
-    "ppo": {"actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4, "ppo.kl_coef": 0.3},
+    "ppo": {"actor.optim.lr": 1e-4, "critic.optim.lr": 1e-4, "ppo.kl.coef": 0.3},
     "dpo": {"optim.lr": 2e-5, "optim.epochs": 1},
 }
 DSCHAT_STEP = CONF_DIR / "experiment_step" / "deepspeed-chat"
@@ -165,8 +166,8 @@ def published(step: str) -> dict:
         out = {
             f"{r}.optim.{k}": recorded[r].optim[k] for r in ROLES for k in ("lr", "warmup_steps")
         }
-        batches = ("per_device_generation_batch_size", "per_device_training_batch_size")
-        return out | {f"ppo.{k}": recorded.ppo[k] for k in (*batches, "kl_coef")}
+        keys = ("rollout.per_device_batch_size", "update.per_device_batch_size", "kl.coef")
+        return out | {f"ppo.{k}": OmegaConf.select(recorded.ppo, k) for k in keys}
     return {f"optim.{k}": recorded.optim[k] for k in SCALE_KEYS if k in recorded.optim}
 
 
@@ -182,7 +183,7 @@ def test_a_real_model_on_real_data_gets_deepspeed_chats_values(step):
     cfg = composed([f"step={step}", "model=opt-1.3b", "data=rm-static"])
     for key, expected in published(step).items():
         assert value(cfg, key) == expected, (step, key)
-    assert cfg.ppo.unsup_coef == 0.0
+    assert cfg.ppo.ptx.coef == 0.0
 
 
 @pytest.mark.parametrize(
@@ -243,14 +244,14 @@ def test_a_real_model_holds_no_toy_sized_value_under_any_algo(algo):
 
 def test_cfg_job_of_a_real_model_under_grpo_has_deepspeed_chats_sizes():
     job = cfg_job(["model=opt-1.3b", "data=rm-static", "algo=grpo", "step=ppo"])
-    assert job["ppo"]["per_device_generation_batch_size"] == 4
-    assert (job["ppo"]["kl_coef"], job["actor"]["optim"]["lr"]) == (0.04, 9.65e-6)
+    assert job["ppo"]["rollout"]["per_device_batch_size"] == 4
+    assert (job["ppo"]["kl"]["coef"], job["actor"]["optim"]["lr"]) == (0.04, 9.65e-6)
 
 
 def test_the_tuning_is_chosen_by_the_model_option_and_never_read_from_disk(tmp_path, monkeypatch):
     """Which values run follows model=, never a probe of a model directory; a directory that is
     not the embedded model under model=tiny is refused, naming the fix."""
-    from rlhf.checks import validate
+    from rlhf.checks import hub, validate
     from rlhf.config import TINY_VOCAB_SIZE
     from rlhf.modeling.loading import tiny_model_dir
 
@@ -270,13 +271,13 @@ def test_the_tuning_is_chosen_by_the_model_option_and_never_read_from_disk(tmp_p
             validated(refused)
         named = composed([f"step={step}", "model=opt-1.3b", f"{key}={real}"])
         assert value(named, "optim.lr") == published(step).get("optim.lr", 9.65e-6)
-    hub = validated(composed(["step=sft", "model.path=facebook/opt-125m"]))
-    monkeypatch.setattr(validate, "_hub_cached", lambda repo_id, kind: True)  # as once downloaded
-    [problem] = validate.launch_problems(hub)
+    on_hub = validated(composed(["step=sft", "model.path=facebook/opt-125m"]))
+    monkeypatch.setattr(hub, "_hub_cached", lambda repo_id, kind: True)  # as once downloaded
+    [problem] = validate.launch_problems(on_hub)
     assert problem.startswith("model.path=facebook/opt-125m: a hub model, under model=tiny")
-    monkeypatch.setattr(validate, "_hub_cached", lambda repo_id, kind: False)
-    monkeypatch.setattr(validate, "_hub_answer", lambda repo_id, kind: "unreachable")
-    [problem] = validate.launch_problems(hub)  # the hub's own problem, alone
+    monkeypatch.setattr(hub, "_hub_cached", lambda repo_id, kind: False)
+    monkeypatch.setattr(hub, "_hub_answer", lambda repo_id, kind: "unreachable")
+    [problem] = validate.launch_problems(on_hub)  # the hub's own problem, alone
     assert "the hub is not reachable" in problem
     # step=all's later steps read exports not written yet: nothing to refuse
     later = tmp_path / "later" / "model"
@@ -287,7 +288,7 @@ def test_a_value_set_anywhere_replaces_the_tuned_value():
     assert composed(["step=sft", "model=opt-1.3b", "optim.lr=1e-5"]).optim.lr == 1e-5
     assert composed(["step=sft", "optim.epochs=2"]).optim.epochs == 2
     recipe = composed(["experiment=opt-1.3b-350m", "step=ppo"])  # its own values
-    assert (recipe.actor.optim.lr, recipe.critic.optim.lr, recipe.ppo.kl_coef) == (
+    assert (recipe.actor.optim.lr, recipe.critic.optim.lr, recipe.ppo.kl.coef) == (
         9.65e-6,
         5e-6,
         0.1,
@@ -299,9 +300,9 @@ def test_a_bad_value_at_a_tuned_key_is_reported_there(model, batch, tmp_path):
     """The embedded model's tuning and the real values set a key as any file does: its problems
     are reported at that key."""
     paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
-    match = rf"ppo\.per_device_training_batch_size={batch}: expected"
+    match = rf"ppo\.update\.per_device_batch_size={batch}: expected"
     with pytest.raises(ConfigError, match=match):
-        validated(composed(["step=ppo", f"model={model}", "ppo.grad_accum=5", *paths]))
+        validated(composed(["step=ppo", f"model={model}", "ppo.update.grad_accum=5", *paths]))
 
 
 def test_cfg_job_at_step_all_lists_what_each_step_runs_with():
@@ -323,27 +324,27 @@ def test_help_at_step_all_shows_each_steps_value():
 
 def ptx_config(tmp_path: Path, *overrides: str):
     paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
-    return validated(composed(["step=ppo", "ppo.unsup_coef=1.0", *paths, *overrides]))
+    return validated(composed(["step=ppo", "ppo.ptx.coef=1.0", *paths, *overrides]))
 
 
 def test_ptx_reads_the_prompts_task_or_a_named_file(tmp_path):
-    from rlhf.rl.ptx import ptx_source
+    from rlhf.data.ptx_text import ptx_source
 
     assert ptx_source(ptx_config(tmp_path)) == "toy"  # data=toy: the toy task's statements
     assert ptx_source(ptx_config(tmp_path, "data=toy_facts")) == "toy_facts"
     text = tmp_path / "wiki.txt"
     text.write_text("Some pretraining text.\n")
-    named = ptx_config(tmp_path, "data=rm-static", f"ppo.unsup_source={text}")
+    named = ptx_config(tmp_path, "data=rm-static", f"ppo.ptx.source={text}")
     assert ptx_source(named) == str(text)
 
 
 def test_ptx_on_real_data_without_a_named_text_is_refused(tmp_path):
     with pytest.raises(ConfigError) as refused:
         ptx_config(tmp_path, "data=rm-static")
-    assert "ppo.unsup_source=None: expected an existing .txt/.jsonl file" in str(refused.value)
+    assert "ppo.ptx.source=None: expected an existing .txt/.jsonl file" in str(refused.value)
     assert "(rm-static)" in str(refused.value)
-    with pytest.raises(ConfigError, match=re.escape("ppo.unsup_source='/nowhere.txt'")):
-        ptx_config(tmp_path, "data=rm-static", "ppo.unsup_source=/nowhere.txt")
+    with pytest.raises(ConfigError, match=re.escape("ppo.ptx.source='/nowhere.txt'")):
+        ptx_config(tmp_path, "data=rm-static", "ppo.ptx.source=/nowhere.txt")
 
 
 # --- the real thing: a sweep through step=all and step=ppo, and what DeepSpeed built -----------
@@ -355,11 +356,11 @@ TINY_RUN = [
     "data.max_eval_rows=16",
     "sft.gold_eval_prompts=4",
     "reward.gold_eval_prompts=4",
-    "ppo.per_device_generation_batch_size=4",
-    "ppo.per_device_training_batch_size=4",
-    "ppo.max_new_tokens=8",
-    "ppo.eval_prompts=4",
-    "ppo.eval_samples=1",
+    "ppo.rollout.per_device_batch_size=4",
+    "ppo.update.per_device_batch_size=4",
+    "ppo.rollout.max_new_tokens=8",
+    "ppo.eval.prompts=4",
+    "ppo.eval.samples=1",
     "zero=stage2",
     "lora=r8",
 ]

@@ -16,12 +16,9 @@ import torch
 from rlhf import algos, registry
 from rlhf.checks.validate import validated
 from rlhf.config import TINY_VOCAB_SIZE, ConfigError, register_configs, to_config
-from rlhf.rl.experience import (
-    Collector,
-    Experience,
-    keep_varied_groups,
-    make_experience,
-)
+from rlhf.rl.collector import Collector
+from rlhf.rl.experience import Experience, make_experience
+from rlhf.rl.experience_batch import keep_varied_groups
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.rollouts import HFDecoder
 from rlhf.rl.shaping import Shaping
@@ -40,43 +37,53 @@ def PPO(tmp_path):
 
 
 BAD = [
-    (["ppo.advantage_estimator=ppo"], "ppo.advantage_estimator", "'ppo'", "gae, grpo, rloo"),
-    (["ppo.advantage_estimator=grpo"], "ppo.num_samples_per_prompt", "1", ">= 2 with"),
-    (["ppo.num_samples_per_prompt=0"], "ppo.num_samples_per_prompt", "0", ">= 1"),
-    (["ppo.dynamic_sampling=true"], "ppo.dynamic_sampling", "True", "grpo, rloo"),
+    (["ppo.advantage.estimator=ppo"], "ppo.advantage.estimator", "'ppo'", "gae, grpo, rloo"),
+    (["ppo.advantage.estimator=grpo"], "ppo.rollout.samples_per_prompt", "1", ">= 2 with"),
+    (["ppo.rollout.samples_per_prompt=0"], "ppo.rollout.samples_per_prompt", "0", ">= 1"),
     (
-        ["ppo.advantage_estimator=remax", "ppo.greedy=true"],
-        "ppo.greedy",
+        ["ppo.advantage.dynamic_sampling=true"],
+        "ppo.advantage.dynamic_sampling",
+        "True",
+        "grpo, rloo",
+    ),
+    (
+        ["ppo.advantage.estimator=remax", "ppo.rollout.greedy=true"],
+        "ppo.rollout.greedy",
         "True",
         "every advantage would be 0",
     ),
-    (["ppo.clip_low=1.5"], "ppo.clip_low", "1.5", "[0, 1]"),
-    (["ppo.clip_high=-0.1"], "ppo.clip_high", "-0.1", ">= 0"),
-    (["ppo.loss_aggregation=sum"], "ppo.loss_aggregation", "'sum'", "seq-mean-token-sum"),
-    (["ppo.overlong_buffer=-1"], "ppo.overlong_buffer", "-1", ">= 0"),
+    (["ppo.loss.clip_low=1.5"], "ppo.loss.clip_low", "1.5", "[0, 1]"),
+    (["ppo.loss.clip_high=-0.1"], "ppo.loss.clip_high", "-0.1", ">= 0"),
+    (["ppo.loss.aggregation=sum"], "ppo.loss.aggregation", "'sum'", "seq-mean-token-sum"),
+    (["ppo.reward.overlong_buffer=-1"], "ppo.reward.overlong_buffer", "-1", ">= 0"),
     (
-        ["ppo.max_new_tokens=16", "ppo.overlong_buffer=16"],
-        "ppo.overlong_buffer",
+        ["ppo.rollout.max_new_tokens=16", "ppo.reward.overlong_buffer=16"],
+        "ppo.reward.overlong_buffer",
         "16",
-        "fewer tokens than ppo.max_new_tokens (16)",
+        "fewer tokens than ppo.rollout.max_new_tokens (16)",
     ),
     (
-        ["ppo.overlong_buffer=32"],  # the toy's answers: 64 - 32 tokens
-        "ppo.overlong_buffer",
+        ["ppo.reward.overlong_buffer=32"],  # the toy's answers: 64 - 32 tokens
+        "ppo.reward.overlong_buffer",
         "32",
         "fewer tokens than the answer budget (data.max_seq_len - data.max_prompt_len = 32)",
     ),
-    (["ppo.dynamic_sampling_rounds=-2"], "ppo.dynamic_sampling_rounds", "-2", ">= 0"),
+    (
+        ["ppo.advantage.dynamic_sampling_rounds=-2"],
+        "ppo.advantage.dynamic_sampling_rounds",
+        "-2",
+        ">= 0",
+    ),
     (
         [
-            "ppo.advantage_estimator=rloo",
-            "ppo.num_samples_per_prompt=3",
-            "ppo.per_device_generation_batch_size=2",
-            "ppo.per_device_training_batch_size=4",
+            "ppo.advantage.estimator=rloo",
+            "ppo.rollout.samples_per_prompt=3",
+            "ppo.rollout.per_device_batch_size=2",
+            "ppo.update.per_device_batch_size=4",
         ],
-        "ppo.per_device_training_batch_size",
+        "ppo.update.per_device_batch_size",
         "4",
-        "num_samples_per_prompt (6)",
+        "rollout.samples_per_prompt (6)",
     ),
 ]
 
@@ -93,14 +100,14 @@ def test_bad_estimator_values_are_refused_by_name(PPO, overrides, key, value, ac
 
 
 def test_a_group_estimator_with_groups_validates(PPO):
-    overrides = ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"]
-    config = validated(compose([*PPO, *overrides, "ppo.dynamic_sampling=true"]))
+    overrides = ["ppo.advantage.estimator=grpo", "ppo.rollout.samples_per_prompt=4"]
+    config = validated(compose([*PPO, *overrides, "ppo.advantage.dynamic_sampling=true"]))
     assert not registry.uses_critic(config.ppo)
     assert registry.uses_critic(validated(compose(PPO)).ppo)  # gae, today's PPO, is the default
 
 
 def answer_length(prompts: list[str], answers: list[str]) -> list[float]:
-    """A rule-based reward for the end-to-end runs (ppo.reward_function=
+    """A rule-based reward for the end-to-end runs (ppo.reward.function=
     tests.test_critic_free:answer_length): the answer's length in characters / 50, which
     differs between most answers, so groups have a spread even from a barely trained model."""
     return [len(answer) / 50 for answer in answers]
@@ -112,7 +119,7 @@ def answer_length(prompts: list[str], answers: list[str]) -> list[float]:
 PAD, BOS, EOS = ppo_tests.PAD, ppo_tests.BOS, ppo_tests.EOS
 CPU = torch.device("cpu")
 SHAPING = Shaping(
-    kl_coef=0.0,  # ppo.kl_in_loss: the reward is the score alone
+    kl_coef=0.0,  # ppo.kl.in_loss: the reward is the score alone
     kl_estimator="k3",
     clip_reward_value=10.0,
     gamma=1.0,
@@ -255,10 +262,10 @@ def _update_config(*overrides):
         compose(
             [
                 "step=sft",
-                "ppo.advantage_estimator=grpo",
-                "ppo.num_samples_per_prompt=2",
-                "ppo.kl_in_loss=true",
-                "ppo.kl_estimator=k3",
+                "ppo.advantage.estimator=grpo",
+                "ppo.rollout.samples_per_prompt=2",
+                "ppo.kl.in_loss=true",
+                "ppo.kl.estimator=k3",
                 *overrides,
             ]
         )
@@ -271,7 +278,7 @@ def test_a_critic_free_update_has_no_critic_and_adds_the_kl_loss_term():
 
     exp = _group_experience("grpo")
     models = SimpleNamespace(actor=ppo_tests.Trained(ppo_tests._lm(seed=3)), critic=None)
-    cfg = _update_config("ppo.loss_aggregation=token-mean")
+    cfg = _update_config("ppo.loss.aggregation=token-mean")
     out = ppo_recipe.train_step(models, [exp], cfg, None, NonFiniteGuard(3), 0.1)
     assert out["critic_loss_sum"] == 0.0
     # the actor is the rollout's (seed 3): its log-probs are the old ones
@@ -286,7 +293,7 @@ def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
     from rlhf.steps.loop import NonFiniteGuard
 
     exp = _group_experience("grpo")
-    cfg = _update_config(f"ppo.loss_aggregation={aggregation}")
+    cfg = _update_config(f"ppo.loss.aggregation={aggregation}")
 
     def grads(micro):
         actor = ppo_tests.Trained(ppo_tests._lm(seed=3))
@@ -307,7 +314,7 @@ def test_the_update_is_the_same_whatever_the_micro_batch_split(aggregation):
 def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
     """critic.model.path names the critic's start (GAE) or the reward model; GRPO scored by a
     function reads neither, so it is not asked for, and GAE still is."""
-    actor = ["step=ppo", "actor.model.path=/tmp", "ppo.reward_function=toy_gold"]
+    actor = ["step=ppo", "actor.model.path=/tmp", "ppo.reward.function=toy_gold"]
     config = validated(compose([*actor, "algo=grpo"]))
     assert config.critic.model.path is None and not registry.reads_critic_path(config.ppo)
     with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
@@ -335,39 +342,46 @@ def test_each_rl_algo_option_sets_its_estimator_and_runs_the_rl_pipeline(
     PPO, algo, estimator, critic_free
 ):
     config = validated(compose([f"algo={algo}", *PPO]))
-    assert config.ppo.advantage_estimator == estimator
+    assert config.ppo.advantage.estimator == estimator
     assert registry.uses_critic(config.ppo) is not critic_free
     assert config.pipeline.steps == ["sft", "reward", "ppo"]
     # PPO's 32 answers a rollout; GRPO's 32 prompts x 4 in one update (conf/algo_tuning/tiny)
     ppo = config.ppo
     answers = 128 if algo in ("grpo", "dr_grpo") else 32
-    assert ppo.per_device_generation_batch_size * ppo.num_samples_per_prompt == answers
+    assert ppo.rollout.per_device_batch_size * ppo.rollout.samples_per_prompt == answers
 
 
 def test_dr_grpo_and_dapo_change_grpo_where_their_papers_do(PPO):
     grpo, dr, dapo = (
         validated(compose([f"algo={a}", *PPO])).ppo for a in ("grpo", "dr_grpo", "dapo")
     )
-    assert (grpo.std_normalize, dr.std_normalize) == (True, False)
-    assert (grpo.loss_aggregation, dr.loss_aggregation) == (
+    assert (grpo.advantage.std_normalize, dr.advantage.std_normalize) == (True, False)
+    assert (grpo.loss.aggregation, dr.loss.aggregation) == (
         "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
     )
-    assert dr.kl_in_loss and dr.kl_coef == grpo.kl_coef  # the rest is GRPO's
-    assert (dapo.clip_range, dapo.clip_high, dapo.kl_coef) == (0.2, 0.28, 0.0)
-    assert dapo.dynamic_sampling and dapo.overlong_buffer > 0
-    assert dapo.loss_aggregation == "token-mean"
+    assert dr.kl.in_loss and dr.kl.coef == grpo.kl.coef  # the rest is GRPO's
+    assert (dapo.loss.clip_range, dapo.loss.clip_high, dapo.kl.coef) == (0.2, 0.28, 0.0)
+    assert dapo.advantage.dynamic_sampling and dapo.reward.overlong_buffer > 0
+    assert dapo.loss.aggregation == "token-mean"
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "gspo", "cispo"])
 def test_the_grpo_family_keeps_empty_answers_in_its_loss(algo, PPO):
     """Masked, an empty answer costs nothing: GRPO drifted to them on data=toy_tools."""
     ppo = validated(compose([f"algo={algo}", *PPO])).ppo
-    assert ppo.short_answer_penalty == 1.0 and ppo.min_response_tokens == 2
+    assert ppo.reward.short_answer_penalty == 1.0 and ppo.rollout.min_response_tokens == 2
 
 
 def test_dapos_overlong_buffer_is_a_fifth_of_the_answer_budget_unless_given(tmp_path):
-    from rlhf.rl.shaping import overlong_buffer
+    from rlhf.config import Config
+    from rlhf.config.resolve import Facts, resolve_ppo
+
+    def overlong_buffer(buffer, budget: int) -> int:  # as rlhf.config.resolve decides it
+        cfg = Config()
+        cfg.ppo.rollout.max_new_tokens, cfg.ppo.reward.overlong_buffer = budget, buffer
+        resolve_ppo(cfg, Facts())
+        return cfg.ppo.reward.overlong_buffer
 
     assert (overlong_buffer(None, 256), overlong_buffer(None, 32), overlong_buffer(8, 32)) == (
         51,
@@ -376,7 +390,7 @@ def test_dapos_overlong_buffer_is_a_fifth_of_the_answer_budget_unless_given(tmp_
     )
     paths = [f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
     real = validated(compose(["algo=dapo", "step=ppo", "model=opt-1.3b", *paths]))
-    assert real.ppo.overlong_buffer is None  # a real model on the toy's 32-token answers: 6
+    assert real.ppo.reward.overlong_buffer is None  # a real model on the toy's 32-token answers: 6
 
 
 def test_the_algos_sweep_composes_each_algorithm_on_the_same_start():

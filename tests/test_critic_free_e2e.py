@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 # the answer's length as the reward: groups have a spread even from a barely trained model
-REWARD = "ppo.reward_function=tests.test_critic_free:answer_length"
+REWARD = "ppo.reward.function=tests.test_critic_free:answer_length"
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def _rl(sft, cache_dir, *overrides) -> list[str]:
         *FAST,
         f"actor.model.path={sft}",
         REWARD,
-        "ppo.per_device_generation_batch_size=4",
-        "ppo.max_new_tokens=16",
-        "ppo.eval_prompts=4",
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.rollout.max_new_tokens=16",
+        "ppo.eval.prompts=4",
         "step.log_interval=1",
         *overrides,
         *cache_overrides(cache_dir),
@@ -41,43 +41,43 @@ def _rl(sft, cache_dir, *overrides) -> list[str]:
 
 ESTIMATORS = {
     "grpo": [
-        "ppo.advantage_estimator=grpo",
-        "ppo.num_samples_per_prompt=4",
-        "ppo.per_device_training_batch_size=16",
-        "ppo.kl_in_loss=true",
-        "ppo.kl_estimator=k3",
+        "ppo.advantage.estimator=grpo",
+        "ppo.rollout.samples_per_prompt=4",
+        "ppo.update.per_device_batch_size=16",
+        "ppo.kl.in_loss=true",
+        "ppo.kl.estimator=k3",
         # DAPO's knobs on top
-        "ppo.clip_high=0.28",
-        "ppo.loss_aggregation=seq-mean-token-mean",
-        "ppo.dynamic_sampling=true",
-        "ppo.overlong_buffer=4",
+        "ppo.loss.clip_high=0.28",
+        "ppo.loss.aggregation=seq-mean-token-mean",
+        "ppo.advantage.dynamic_sampling=true",
+        "ppo.reward.overlong_buffer=4",
     ],
     "rloo": [
-        "ppo.advantage_estimator=rloo",
-        "ppo.num_samples_per_prompt=2",
-        "ppo.per_device_training_batch_size=8",
+        "ppo.advantage.estimator=rloo",
+        "ppo.rollout.samples_per_prompt=2",
+        "ppo.update.per_device_batch_size=8",
     ],
     "reinforce_pp": [
-        "ppo.advantage_estimator=reinforce_pp",
-        "ppo.per_device_training_batch_size=4",
+        "ppo.advantage.estimator=reinforce_pp",
+        "ppo.update.per_device_batch_size=4",
     ],
-    "remax": ["ppo.advantage_estimator=remax", "ppo.per_device_training_batch_size=4"],
+    "remax": ["ppo.advantage.estimator=remax", "ppo.update.per_device_batch_size=4"],
     # the newer policy losses ride on group estimators, in minibatches where ratios leave 1
     "reinforce_pp_baseline/gspo": [
-        "ppo.advantage_estimator=reinforce_pp_baseline",
-        "ppo.policy_loss=gspo",
-        "ppo.clip_low=3e-4",
-        "ppo.clip_high=4e-4",
-        "ppo.num_samples_per_prompt=2",
-        "ppo.per_device_training_batch_size=4",
+        "ppo.advantage.estimator=reinforce_pp_baseline",
+        "ppo.loss.policy=gspo",
+        "ppo.loss.clip_low=3e-4",
+        "ppo.loss.clip_high=4e-4",
+        "ppo.rollout.samples_per_prompt=2",
+        "ppo.update.per_device_batch_size=4",
     ],
     "grpo/cispo": [
-        "ppo.advantage_estimator=grpo",
-        "ppo.policy_loss=cispo",
-        "ppo.clip_low=1.0",
-        "ppo.clip_high=4.0",
-        "ppo.num_samples_per_prompt=2",
-        "ppo.per_device_training_batch_size=4",
+        "ppo.advantage.estimator=grpo",
+        "ppo.loss.policy=cispo",
+        "ppo.loss.clip_low=1.0",
+        "ppo.loss.clip_high=4.0",
+        "ppo.rollout.samples_per_prompt=2",
+        "ppo.update.per_device_batch_size=4",
     ],
 }
 
@@ -97,7 +97,7 @@ def test_each_estimator_runs_and_builds_no_critic(name, sft, cache_dir, tmp_path
     assert (run_dir / "actor" / "model.safetensors").is_file()
     assert not (run_dir / "critic").exists()
     said = proc.stdout + proc.stderr + (run_dir / "__main__.log").read_text()
-    assert f"ppo.advantage_estimator={estimator}: no critic is built" in said
+    assert f"ppo.advantage.estimator={estimator}: no critic is built" in said
     if name == "grpo":
         assert all(r["ppo/kl_loss"] >= 0 for r in rows)
         assert all(r["ppo/groups_dropped"] >= 0 for r in rows)
@@ -113,8 +113,8 @@ def test_critic_warmup_moves_only_the_critic_first(sft, cache_dir, tmp_path):
         sft,
         cache_dir,
         f"critic.model.path={sft}",
-        "ppo.per_device_training_batch_size=2",
-        "ppo.critic_warmup_steps=2",
+        "ppo.update.per_device_batch_size=2",
+        "ppo.update.critic_warmup_steps=2",
         "step.max_steps=3",
     )
     run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
@@ -126,13 +126,13 @@ def test_critic_warmup_moves_only_the_critic_first(sft, cache_dir, tmp_path):
 
 
 PARITY = [
-    "ppo.advantage_estimator=grpo",
-    "ppo.num_samples_per_prompt=2",
-    "ppo.kl_in_loss=true",
-    "ppo.kl_estimator=k3",
-    "ppo.seed_rollouts=true",  # the rollouts then do not depend on the rank layout
+    "ppo.advantage.estimator=grpo",
+    "ppo.rollout.samples_per_prompt=2",
+    "ppo.kl.in_loss=true",
+    "ppo.kl.estimator=k3",
+    "ppo.rollout.seeded=true",  # the rollouts then do not depend on the rank layout
     # HF's generate on both sides (ZeRO-3 on 2 ranks needs it): the same draws from the seeds
-    "ppo.drop_finished_rows=false",
+    "ppo.rollout.drop_finished_rows=false",
     "step.max_steps=3",
     "step.eval_at_start=false",
     "step.eval_interval=0",
@@ -152,15 +152,15 @@ def test_grpo_zero3_two_ranks_matches_zero0_one_process(sft, cache_dir, tmp_path
     """One process generates the iteration's 8 prompts as 2 batches of 4; two ranks generate
     one batch of 4 each, the same prompts with the same sampling seeds."""
     base = _rl(sft, cache_dir, *PARITY)
-    zero0 = [*base, "zero=stage0", "ppo.generation_batches=2"]
+    zero0 = [*base, "zero=stage0", "ppo.rollout.batches=2"]
     run_rlhf(
-        [*zero0, "ppo.per_device_training_batch_size=16"],
+        [*zero0, "ppo.update.per_device_batch_size=16"],
         run_dir=tmp_path / "zero0",
         extra_env=ONE_THREAD,
     )
     zero3 = [*base, "zero=stage3", "actor.zero.stage3_param_persistence_threshold=0"]
     run_rlhf(
-        [*zero3, "ppo.per_device_training_batch_size=8"],
+        [*zero3, "ppo.update.per_device_batch_size=8"],
         run_dir=tmp_path / "zero3",
         nproc=2,
         extra_env=ONE_THREAD,

@@ -40,14 +40,14 @@ EXPECTED = {
         "critic.optim.lr": 5e-6,
         "actor.optim.warmup_steps": 100,
         "critic.optim.warmup_steps": 100,
-        "ppo.per_device_generation_batch_size": 4,
-        "ppo.per_device_training_batch_size": 4,
-        "ppo.max_new_tokens": 256,
-        "ppo.greedy": True,
-        "ppo.rollout_logprobs": False,
-        "ppo.whiten_advantages": False,
-        "ppo.normalize_reward": False,
-        "ppo.ema": True,
+        "ppo.rollout.per_device_batch_size": 4,
+        "ppo.update.per_device_batch_size": 4,
+        "ppo.rollout.max_new_tokens": 256,
+        "ppo.rollout.greedy": True,
+        "ppo.rollout.logprobs": False,
+        "ppo.advantage.whiten": False,
+        "ppo.reward.normalize": False,
+        "ppo.ema.enabled": True,
         "data.overlong_prompts": "skip",
         "actor.model.dropout": 0.0,
     },
@@ -102,7 +102,7 @@ def _leaf_keys(node, prefix=""):
 
 # keys where the published recipe keeps rlhf's rollouts (experiment=opt-1.3b-350m's ppo.yaml says
 # why) while this preset reproduces DeepSpeed-Chat's
-ROLLOUTS = {"ppo.greedy", "ppo.rollout_logprobs"}
+ROLLOUTS = {"ppo.rollout.greedy", "ppo.rollout.logprobs"}
 
 
 @pytest.mark.parametrize("step", sorted(EXPECTED))

@@ -65,3 +65,22 @@ def test_ci_runs_the_readme_test_command():
         assert part.replace("pip install", "pip install -q") in ci or part in ci, part
     install = run_cmd.split(" && ")[:-1]
     assert install[:3] == test_cmd.split(" && ")[:3]  # same venv, same torch
+
+
+def test_no_page_names_a_former_flat_ppo_key():
+    """PPO's keys moved into sections (issue 49): a page names them where they are now (a line
+    that names a former one on purpose carries nest-ppo-keys: keep)."""
+    from rlhf.config import RENAMED_KEYS
+
+    # a former key that is now a section of that name (ppo.ema) is the section there
+    old = [k for k, new in RENAMED_KEYS.items() if k.startswith("ppo.") and new != f"{k}.enabled"]
+    names = "|".join(map(re.escape, old))
+    pattern = re.compile(rf"(?<![\w.])({names})(?!\w)")
+    found = [
+        f"{page.name}:{number}: {match[0]}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if "nest-ppo-keys: keep" not in line
+        for match in pattern.finditer(line)
+    ]
+    assert not found, found

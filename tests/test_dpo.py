@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from rlhf import algos
+from rlhf.algos.preference import answer_logprobs, preference_terms
 from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, DPOConfig, register_configs
 from rlhf.data.collate import pair_batch
-from rlhf.evaluators.held_out import answer_logprobs, preference_terms
 from rlhf.steps.all import compose_steps, exports
 from tests.conftest import (
     CONF_DIR,
@@ -160,7 +160,7 @@ def test_algo_group_sets_the_pipeline(tmp_path):
         assert dpo.model.path == str(tmp_path / "sft" / "model")  # policy and reference
         assert dpo.model.dropout == 0.0  # conf/step/dpo.yaml: log-ratios start at 0
         assert steps["sft"].model.dropout is None
-        gold = ["ppo.reward_function=toy_gold", "ppo.normalize_reward=false"]
+        gold = ["ppo.reward.function=toy_gold", "ppo.reward.normalize=false"]
         config = validated(hydra.compose("config", gold))
         assert list(compose_steps(config, gold, "config", tmp_path)) == ["sft", "ppo"]
     assert exports(tmp_path, ["sft", "dpo"]) == (
@@ -211,7 +211,7 @@ def test_step_dpo_needs_the_sft_export_and_refuses_a_reward_model(tmp_path):
 # ------------------------------------------------------------------------- runs (slow)
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
-SMALL = [*FAST, "ppo.eval_prompts=16", "ppo.max_new_tokens=16"]
+SMALL = [*FAST, "ppo.eval.prompts=16", "ppo.rollout.max_new_tokens=16"]
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +278,7 @@ def _dpo(pipeline, cache_dir) -> list[str]:
         "step.checkpoint_interval=3",
         "step.eval_at_start=false",
         "step.save_model=false",
-        "ppo.eval_prompts=8",
+        "ppo.eval.prompts=8",
         "optim.lr=1e-3",  # every one of the 6 updates moves the loss visibly
         "model.dtype=fp32",
         "lora=r8",  # LoRA on top of the full weights: it starts at the reference too

@@ -19,7 +19,7 @@ import torch
 from rlhf import tasks
 from rlhf.cli.help import field_meanings
 from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.evaluators.held_out import gold_metrics, gold_sums, grade
+from rlhf.evaluators.gold_grading import gold_metrics, gold_sums, grade
 from rlhf.rl import env_calls
 from rlhf.rl.episodes import EpisodeTally, episode_scores, observation_ids
 from rlhf.rl.generation import Sampling
@@ -70,7 +70,7 @@ def test_a_reset_that_raises_ends_its_episode_counted_and_warned_in_one_line(cap
     # only the live episode generates: the first call holds one context
     rollout = episodes(Scripted([[CALL], [ANSWER]]), env).generate(PROMPTS, Sampling())
 
-    assert rollout.episodes.env_error.tolist() == [False, True]
+    assert rollout.record.env_error.tolist() == [False, True]
     assert rollout.response_mask[1].sum() == 0  # it never started: no token trained on
     assert episode_scores(torch.tensor([2.0, 2.0]), rollout)[1] == 0.0
     tally = EpisodeTally()
@@ -107,7 +107,7 @@ def test_a_grade_that_raises_grades_the_answer_wrong_counted_and_warned_once(cap
 
     metrics = gold_metrics(gold_sums(grades))
     assert metrics["eval/grade_errors"] == 0.5 and metrics["eval/gold_accuracy"] == 0.25
-    [line] = warnings(caplog, "rlhf.evaluators.held_out")
+    [line] = warnings(caplog, "rlhf.evaluators.gold_grading")
     assert line.startswith("task picky: grade raised ValueError: invalid literal for int()")
     assert line.endswith("(x1): 2 of 4 answers graded wrong (eval/grade_errors)")
 
@@ -160,8 +160,8 @@ def test_numpy_numbers_and_flags_are_a_well_formed_step():
         " = 579", reward=np.float32(0.5), done=np.bool_(True), metrics={"calls": np.int64(1)}
     )
     rollout = episodes(Scripted([[CALL]]), env).generate(PROMPTS[:1], Sampling())
-    assert rollout.episodes.env_reward.tolist() == [0.5]
-    assert rollout.episodes.metrics["calls"].tolist() == [1.0]
+    assert rollout.record.env_reward.tolist() == [0.5]
+    assert rollout.record.metrics["calls"].tolist() == [1.0]
 
 
 class IntObservation:
@@ -235,7 +235,7 @@ def test_rollouts_that_fail_whole_stop_after_the_bound_warned_once_each(caplog):
     assert str(err.value) == (
         "environment calculator: every episode ended in an environment error in 3 rollouts in "
         "a row (the last: step raised RuntimeError: tool server down); stopped at "
-        "ppo.multi_turn.max_failed_rollouts=3 (0: never stop)"
+        "ppo.rollout.multi_turn.max_failed_rollouts=3 (0: never stop)"
     )
 
 
@@ -245,7 +245,7 @@ def test_a_rollout_with_an_answered_episode_starts_the_count_again():
     for broken in (True, False, True, False, True):  # never two in a row
         env.broken = broken
         rollout = player.generate(PROMPTS, Sampling())
-    assert rollout.episodes.env_error.tolist() == [True, True]
+    assert rollout.record.env_error.tolist() == [True, True]
     with pytest.raises(ConfigError, match=r"max_failed_rollouts=2 \(0: never stop\)"):
         player.generate(PROMPTS, Sampling())
 
@@ -253,7 +253,7 @@ def test_a_rollout_with_an_answered_episode_starts_the_count_again():
 def test_no_bound_when_max_failed_rollouts_is_0():
     player = episodes(Scripted([[CALL, DIRECT]] * 8), failing_env(), max_failed_rollouts=0)
     for _ in range(8):
-        assert player.generate(PROMPTS, Sampling()).episodes.env_error.all()
+        assert player.generate(PROMPTS, Sampling()).record.env_error.all()
 
 
 def test_the_fault_keys_are_checked_and_explained_in_the_help():
@@ -294,7 +294,7 @@ def test_a_megabyte_observation_is_cut_before_it_is_tokenised():
     rollout = player.generate(PROMPTS[:1], Sampling())
 
     assert max(tokenizer.encoded) < 10_000  # not the 2.4 MB
-    assert rollout.episodes.obs_truncated.tolist() == [1]
+    assert rollout.record.obs_truncated.tolist() == [1]
     real = rollout.attention_mask[0, rollout.prompt_width :].bool()
     observation = rollout.sequences[0, rollout.prompt_width :][real & ~rollout.response_mask[0]]
     assert observation.tolist() == ids(huge[:1000])[:8]
@@ -348,11 +348,11 @@ def test_a_step_past_its_time_limit_ends_as_an_error_and_no_call_overlaps_it(cap
     player = episodes(Scripted([[CALL, DIRECT], [CALL, DIRECT]]), env, env_timeout_s=0.3)
     try:
         rollout = player.generate(PROMPTS, Sampling())
-        assert rollout.episodes.env_error.tolist() == [True, True]
+        assert rollout.record.env_error.tolist() == [True, True]
         assert warnings(caplog) == [
-            "environment calculator: step timed out after 0.3 s (ppo.multi_turn.env_timeout_s) "
+            "environment calculator: step timed out after 0.3 s (ppo.rollout.multi_turn.env_timeout_s) "
             "(x1); step not called: a step call past its time limit is still running "
-            "(ppo.multi_turn.env_timeout_s) (x1): 2 of 2 episodes ended there, reward 0 "
+            "(ppo.rollout.multi_turn.env_timeout_s) (x1): 2 of 2 episodes ended there, reward 0 "
             "(env_errors)"
         ]
     finally:
@@ -360,7 +360,7 @@ def test_a_step_past_its_time_limit_ends_as_an_error_and_no_call_overlaps_it(cap
     abandoned = env_calls.worker().busy()
     assert abandoned is None or abandoned.done.wait(30)  # it returns: the calls go on
     env.step = lambda episode, turn: Step(done=True)
-    assert not player.generate(PROMPTS, Sampling()).episodes.env_error.any()
+    assert not player.generate(PROMPTS, Sampling()).record.env_error.any()
     assert env.most_running == 1
 
 
@@ -377,7 +377,7 @@ def test_sigterm_during_a_hung_step_ends_the_rollout_and_reaches_the_loops_stop(
         env.released.set()
     assert stop.signum == signal.SIGTERM  # the loop's own flag: it checkpoints and exits
     assert handler_after == stop._handle  # the loop's handler is back in place
-    assert rollout.episodes.env_error.tolist() == [True, True]
+    assert rollout.record.env_error.tolist() == [True, True]
     assert len(env.made) == 1  # the hung call was abandoned, the other never made
 
 
@@ -426,11 +426,11 @@ def _ppo_command(actor, cache, run_dir, *overrides: str) -> list[str]:
         "data.max_eval_rows=64",
         f"actor.model.path={actor}",
         f"critic.model.path={actor}",
-        "ppo.reward_function=tests.test_env_faults:zero_reward",
-        "ppo.per_device_generation_batch_size=8",
-        "ppo.per_device_training_batch_size=8",
-        "ppo.eval_prompts=8",
-        "ppo.eval_samples=1",
+        "ppo.reward.function=tests.test_env_faults:zero_reward",
+        "ppo.rollout.per_device_batch_size=8",
+        "ppo.update.per_device_batch_size=8",
+        "ppo.eval.prompts=8",
+        "ppo.eval.samples=1",
         "logger.progress_bar=false",
         *cache_overrides(cache),
         f"hydra.run.dir={run_dir}",
@@ -456,7 +456,7 @@ def test_a_run_whose_every_step_raises_stops_at_the_bound(tiny_lm_dir, cache_dir
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: environment faulty: every episode ended in an environment error in 5 rollouts "
         "in a row (the last: step raised RuntimeError: tool server down); stopped at "
-        "ppo.multi_turn.max_failed_rollouts=5 (0: never stop)"
+        "ppo.rollout.multi_turn.max_failed_rollouts=5 (0: never stop)"
     )
     # a line a rollout (2 evaluation batches, then 3 iterations'), not one an episode
     assert proc.stdout.count("environment faulty: step raised RuntimeError") == 5

@@ -83,7 +83,9 @@ class Scripted:
     def __init__(self, turns: list[list[list[int]]]):
         self.turns, self.contexts = turns, []
 
-    def generate(self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None):
+    def generate(
+        self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None, max_new=None
+    ):
         answers = self.turns[len(self.contexts)]
         self.contexts.append([list(p) for p in prompts])
         width = max(len(a) for a in answers)
@@ -168,7 +170,7 @@ def test_an_episode_appends_the_doc_envs_observation_between_the_turns(env_dir):
         assert actions == [True] * n_call + [False] * n_obs + [True] * n_answer
         # the sampler's log-probs at the observation are placeholders
         assert rollout.logprobs[row, n_call : n_call + n_obs].eq(0).all()
-    record = rollout.episodes
+    record = rollout.record
     assert record.turns.tolist() == [2, 2] and rollout.ended.tolist() == [True, True]
     assert record.env_error.tolist() == [False, False]
     assert record.obs_truncated.tolist() == [0, 0]
@@ -199,7 +201,7 @@ def test_the_doc_quotes_the_errors_as_the_code_words_them(monkeypatch):
     [(key, value, accepted)] = problems  # my_env is not on sys.path here
     assert problem_message(f"data.sources.{SOURCE}.{key}", value, accepted) in text
     [(key, value, accepted)] = MultiTurnConfig(max_turns=0).problems()
-    assert problem_message(f"ppo.multi_turn.{key}", value, accepted) in text
+    assert problem_message(f"ppo.rollout.multi_turn.{key}", value, accepted) in text
 
 
 def test_the_doc_quotes_the_wrong_return_type_error(env_dir):
@@ -227,7 +229,7 @@ def test_the_doc_names_every_metric_and_bound_key():
     for name in ("turns", "env_errors", "obs_truncated", "env_reward"):
         assert f"rollout/{name}" in text
     for key in MultiTurnConfig.__dataclass_fields__:
-        assert f"ppo.multi_turn.{key}" in text or f"`{key}`" in text, key
+        assert f"ppo.rollout.multi_turn.{key}" in text or f"`{key}`" in text, key
 
 
 @pytest.mark.slow
@@ -245,10 +247,10 @@ def test_step_all_trains_on_the_doc_env_with_multi_turn_episodes(env_dir, cache_
         "step.max_steps=120",
         "optim.epochs=20",
         "reward.gold_eval_prompts=8",
-        "ppo.per_device_generation_batch_size=8",
-        "ppo.per_device_training_batch_size=8",
-        "ppo.eval_prompts=8",
-        "ppo.max_new_tokens=40",
+        "ppo.rollout.per_device_batch_size=8",
+        "ppo.update.per_device_batch_size=8",
+        "ppo.eval.prompts=8",
+        "ppo.rollout.max_new_tokens=40",
         *cache_overrides(cache_dir),
     ]
     path = os.pathsep.join(p for p in (str(env_dir), os.environ.get("PYTHONPATH")) if p)

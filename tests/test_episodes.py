@@ -12,9 +12,9 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores, turn_length
+from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import response_logprobs
-from rlhf.rl.generation import Rollout, Sampling, generate
+from rlhf.rl.generation import Rollout, Sampling, generate, turn_length
 from rlhf.runtime.dist import free_port
 from rlhf.tasks import Episode, Step
 from tests.conftest import REPO
@@ -34,7 +34,9 @@ class Scripted:
     def __init__(self, turns: list[list[list[int]]]):
         self.turns, self.contexts, self.calls = turns, [], 0
 
-    def generate(self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None):
+    def generate(
+        self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None, max_new=None
+    ):
         self.contexts.append([list(p) for p in prompts])
         answers = [self.turns[self.calls][i] for i in range(len(prompts))]
         self.calls += 1
@@ -52,12 +54,6 @@ class Scripted:
             mask,
             logprobs if logprobs_temperature is not None else None,
         )
-
-    def sync(self):
-        return None
-
-    def close(self):
-        pass
 
 
 class Calculator:
@@ -102,7 +98,7 @@ def test_observation_ids_are_appended_after_the_sampled_ids_and_masked_out_of_th
     assert rollout.logprobs[0, len(CALL) : len(CALL) + len(OBS)].eq(0).all()
     assert rollout.logprobs[0][rollout.response_mask[0]].eq(-0.5).all()
     assert rollout.ended.tolist() == [True, True]
-    record = rollout.episodes
+    record = rollout.record
     assert record.turns.tolist() == [2, 1]
     assert record.metrics["tool_calls"].tolist() == [1.0, 0.0]
     assert record.env_reward.tolist() == [0.5, 0.5]  # the final answers' step rewards
@@ -134,7 +130,7 @@ def test_bounds_turns_observations_and_the_episode_budget():
     rollout = episodes(
         decoder, long_obs, budget=60, max_turns=3, max_observation_tokens=4
     ).generate(PROMPTS[:1], Sampling())
-    record = rollout.episodes
+    record = rollout.record
     assert record.turns.tolist() == [3] and record.obs_truncated.tolist() == [2]
     assert (
         ~rollout.response_mask[0] & rollout.attention_mask[0, rollout.prompt_width :].bool()
@@ -145,7 +141,7 @@ def test_bounds_turns_observations_and_the_episode_budget():
     never = Scripted([[ids(" <call>1" + "2" * 80)]])
     rollout = episodes(never, Calculator(), budget=10).generate(PROMPTS[:1], Sampling())
     assert rollout.response_mask[0].sum() == 10 and rollout.ended.tolist() == [False]
-    assert rollout.episodes.turns.tolist() == [1]
+    assert rollout.record.turns.tolist() == [1]
 
 
 def test_a_step_that_raises_ends_the_episode_with_reward_zero_and_is_counted():
@@ -156,7 +152,7 @@ def test_a_step_that_raises_ends_the_episode_with_reward_zero_and_is_counted():
 
     env.step = broken
     rollout = episodes(Scripted([[CALL, DIRECT]]), env).generate(PROMPTS, Sampling())
-    assert rollout.episodes.env_error.tolist() == [True, True]
+    assert rollout.record.env_error.tolist() == [True, True]
     scores = episode_scores(torch.tensor([2.0, -1.0]), rollout)
     assert scores.tolist() == [0.0, 0.0]
     tally = EpisodeTally()
@@ -214,11 +210,14 @@ class ModelDecoder:
     def __init__(self, model, drop_finished: bool):
         self.model, self.drop = model, drop_finished
 
-    def generate(self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None):
+    def generate(
+        self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None, max_new=None
+    ):
         rows = [list(p) for p in prompts for _ in range(group_size)]
         torch.manual_seed(seed or 0)
         sampling = Sampling(**{**sampling.__dict__, "drop_finished": self.drop})
-        return generate(self.model, rows, PAD, END, sampling, False, logprobs_temperature)
+        bounds = None if max_new is None else [b for b in max_new for _ in range(group_size)]
+        return generate(self.model, rows, PAD, END, sampling, False, logprobs_temperature, bounds)
 
 
 @pytest.mark.parametrize("drop_finished", [True, False], ids=["own-loop", "hf-generate"])
@@ -240,7 +239,7 @@ def test_the_ids_trained_on_are_the_ids_sampled(tiny_model, drop_finished):
     rollout = player.generate(
         PROMPTS, Sampling(max_new_tokens=48), seed=3, group_size=2, logprobs_temperature=1.0
     )
-    assert rollout.episodes.turns.max() > 1  # several turns, observations between them
+    assert rollout.record.turns.max() > 1  # several turns, observations between them
     observation = rollout.attention_mask[:, rollout.prompt_width :].bool() & ~rollout.response_mask
     assert observation.any()
     trained, _ = response_logprobs(

@@ -551,18 +551,18 @@ def tiny_llama(attn: str = "sdpa"):
     [
         ({}, True),  # null: on wherever it applies
         ({"stop_at_eos": False}, False),
-        ({"generation_cache": "static"}, False),
+        ({"cache": "static"}, False),
         ({"drop_finished_rows": False}, False),
         ({"drop_finished_rows": True}, True),
     ],
 )
 def test_dropping_finished_answers_is_on_by_default_wherever_it_applies(keys, drops):
-    from rlhf.config import PPOConfig
+    from rlhf.config import PPOConfig, PPORolloutConfig
     from rlhf.rl.generation import drops_finished_rows
 
-    ppo = PPOConfig(**keys)
+    ppo = PPOConfig(rollout=PPORolloutConfig(**keys))
     assert drops_finished_rows(ppo) == drops
-    assert not [p for p in ppo.problems() if p[0] == "drop_finished_rows"]
+    assert not [p for p in ppo.rollout.problems() if p[0] == "drop_finished_rows"]
 
 
 @pytest.mark.parametrize(
@@ -570,16 +570,16 @@ def test_dropping_finished_answers_is_on_by_default_wherever_it_applies(keys, dr
     [
         ({}, True),
         ({"stop_at_eos": False}, True),  # held-out answers end at the end-of-text regardless
-        ({"generation_cache": "static"}, False),
+        ({"cache": "static"}, False),
         ({"drop_finished_rows": False}, False),
     ],
 )
 def test_held_out_answers_are_decoded_dropping_finished_rows_as_rollouts_are(keys, drops):
     # HF's generate keeps every row of the batch until the longest answer ends
-    from rlhf.config import Config, PPOConfig
+    from rlhf.config import Config, PPOConfig, PPORolloutConfig
     from rlhf.rl.generation import eval_sampling
 
-    cfg = Config(ppo=PPOConfig(temperature=0.7, top_k=5, **keys))
+    cfg = Config(ppo=PPOConfig(rollout=PPORolloutConfig(temperature=0.7, top_k=5, **keys)))
     for greedy in (True, False):
         sampling = eval_sampling(cfg, 12, greedy)
         assert (sampling.drop_finished, sampling.stop_at_eos) == (drops, True)
@@ -614,16 +614,16 @@ def test_ppo_packing_is_refused_where_asked_for_and_a_model_takes_no_mask():
     from rlhf.config import ConfigError
     from rlhf.modeling.loading import fast_path
     from rlhf.rl.ppo_models import Models
-    from rlhf.steps.ppo import packing_problem
+    from rlhf.steps.ppo_parts import packing_problem
 
     assert packing_problem(Models(tiny_lm(), tiny_lm(), None, tiny_scorer(), None, None)) is None
     flash = tiny_lm()
     flash.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
     problem = packing_problem(Models(tiny_lm(), flash, None, tiny_scorer(), None, None))
     assert "flash_attention_2" in problem
-    assert fast_path("ppo.packing", None, problem) is False  # null: padded rows
-    with pytest.raises(ConfigError, match=r"ppo\.packing=true: flash_attention_2"):
-        fast_path("ppo.packing", True, problem)
+    assert fast_path("ppo.update.packing", None, problem) is False  # null: padded rows
+    with pytest.raises(ConfigError, match=r"ppo\.update\.packing=true: flash_attention_2"):
+        fast_path("ppo.update.packing", True, problem)
 
 
 def test_packing_falls_back_to_padded_rows_where_the_mask_is_not_taken():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.__main__ import print_help
 from rlhf.cli import help as key_help
+from rlhf.cli.compose import print_help
 
 
 def _help(capsys, *args: str) -> list[str]:
@@ -23,9 +23,24 @@ def _settings(lines: list[str]) -> list[str]:
 def test_a_prefix_keeps_only_the_keys_it_starts(capsys):
     lines = _help(capsys, "ppo")
     settings = _settings(lines)
-    assert "ppo.kl_coef=0.3" in settings
+    assert "ppo.kl.coef=0.3" in settings
     assert all(s.startswith("ppo.") for s in settings), settings
     assert "ppo: default" in lines  # the group of that name, with its options
+
+
+def test_a_ppo_section_prints_alone(capsys):
+    lines = _help(capsys, "ppo.loss")
+    settings = _settings(lines)
+    assert "ppo.loss.clip_range=0.2" in settings
+    assert all(s.startswith("ppo.loss.") for s in settings), settings
+    assert [ln for ln in lines if ln.startswith("-- ")] == ["-- ppo.loss"]
+
+
+def test_ppo_prints_every_section_under_its_own_heading(capsys):
+    headings = [ln[3:] for ln in _help(capsys, "ppo") if ln.startswith("-- ")]
+    rollout = ["ppo.rollout", "ppo.rollout.vllm", "ppo.rollout.multi_turn"]
+    others = ["update", "loss", "kl", "reward", "advantage", "ema", "ptx", "eval"]
+    assert headings == [*rollout, *(f"ppo.{name}" for name in others)]
 
 
 def test_a_word_no_key_starts_with_matches_a_dotted_part(capsys):
@@ -50,8 +65,12 @@ def test_a_sweep_file_is_read_as_a_run_reads_it(capsys):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["ppo.kl_coeff=1"], "ppo.kl_coeff=1: no such key; the closest known key is ppo.kl_coef"),
-        (["ppo.kl_coef=abc"], "could not be converted to Float"),
+        (["ppo.kl_coeff=1"], "ppo.kl_coeff=1: no such key; the closest known key is ppo.kl.coef"),
+        (["ppo.kl.coef=abc"], "could not be converted to Float"),
+        (
+            ["ppo.kl_coef=0.1"],  # nest-ppo-keys: keep (a former key)
+            "ppo.kl_coef=0.1: no such key; renamed to ppo.kl.coef",  # nest-ppo-keys: keep
+        ),
         (["model=opt-13"], "model=opt-13: no such option; model's options: llama-2-7b, opt-1.3b"),
         (["zzzz"], "--help zzzz: no key starts with 'zzzz'"),
         (["ppo.kl_coeff"], "--help ppo.kl_coeff: no key starts with 'ppo.kl_coeff'; the closest"),
@@ -73,7 +92,7 @@ def test_long_meanings_wrap_to_the_width():
     for width in (120, 100, 80, 60):  # 80 and less: meanings below their keys
         lines = key_help.text(composed, key_help.config_groups(), width=width).splitlines()
         assert max(len(ln) for ln in lines if ln.startswith("  ")) <= width
-        kl = next(i for i, ln in enumerate(lines) if ln.startswith("  ppo.kl_coef="))
+        kl = next(i for i, ln in enumerate(lines) if ln.startswith("  ppo.kl.coef="))
         rest = lines[kl + 1 : kl + 8]
         meaning = rest[: next(i for i, ln in enumerate(rest) if ln[2:3].strip())]
         text = " ".join(ln.strip() for ln in [lines[kl], *meaning])

@@ -118,3 +118,30 @@ def test_an_unused_preference_label_is_warned_about(tmp_path):
     plain = tmp_path / "pairs.jsonl"
     datasets.Dataset.from_list(ROWS).to_json(str(plain))
     assert load_source(_local(plain), "train", 0).warnings == []
+
+
+def test_a_source_is_checked_once_until_its_files_change(tmp_path, monkeypatch):
+    """The config checks, then every split and phase's loading, check a directory and read its
+    layout once: later asks trust the kept verdicts, and an edited copy is checked again."""
+    from rlhf.data import local
+
+    path = _hub_dir(tmp_path / "copy", {"train": ROWS[:9], "test": ROWS[9:]})
+    calls = {"is_usable": 0, "_read_splits": 0}
+    for name in calls:
+        monkeypatch.setattr(local, name, _counted(calls, name, getattr(local, name)))
+    source = _local(path)
+    assert source_problems(source) == []
+    for split in ("train", "eval", "train", "eval"):
+        load_source(source, split, 1234)
+    assert calls == {"is_usable": 1, "_read_splits": 1}
+    datasets.Dataset.from_list(ROWS[:3]).to_parquet(str(path / "data" / "test-00000.parquet"))
+    assert _rows(source, "eval") == ROWS[:3]
+    assert calls == {"is_usable": 2, "_read_splits": 2}
+
+
+def _counted(calls: dict, name: str, fn):
+    def counted(*args):
+        calls[name] += 1
+        return fn(*args)
+
+    return counted

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
 
 from rlhf.config import LoraConfig, OptimConfig
-from rlhf.modeling.loading import apply_lora, lora_target
+from rlhf.modeling.peft_lora import apply_lora, lora_target
 from rlhf.runtime.engine import param_groups
 from tests.conftest import FAST, cache_overrides, run_rlhf
 

@@ -18,10 +18,10 @@ TOOLS = [
     *(o for o in FAST if not o.startswith("data.sources.toy.")),
     "data.sources.toy_tools.num_rows=1400",
     "reward.gold_eval_prompts=8",
-    "ppo.per_device_generation_batch_size=8",
-    "ppo.per_device_training_batch_size=8",
-    "ppo.eval_prompts=8",
-    "ppo.eval_samples=1",
+    "ppo.rollout.per_device_batch_size=8",
+    "ppo.update.per_device_batch_size=8",
+    "ppo.eval.prompts=8",
+    "ppo.eval.samples=1",
 ]
 PPO = [*TOOLS, "step=ppo", "step.log_interval=1", "step.checkpoint_interval=4"]
 
@@ -80,14 +80,14 @@ def test_grpo_with_the_gold_checker_plays_whole_episodes_in_groups(exports, cach
     overrides = _ppo(
         exports,
         "algo=grpo",
-        "ppo.reward_function=toy_gold",
-        "ppo.per_device_generation_batch_size=2",
+        "ppo.reward.function=toy_gold",
+        "ppo.rollout.per_device_batch_size=2",
         "step.max_steps=3",
         "step.eval_interval=3",
     )
     _run(overrides, tmp_path, cache_dir)
     rows = _episode_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # toy_gold's 0/1 a whole episode, or GRPO's -1 (ppo.short_answer_penalty) for an empty one
+    # toy_gold's 0/1 a whole episode, or GRPO's -1 (ppo.reward.short_answer_penalty) for an empty one
     assert all(-1.0 <= r["ppo/reward"] <= 1.0 for r in rows)
     assert all(r["ppo/reward"] >= 0.0 or r["ppo/short_answers"] > 0 for r in rows)

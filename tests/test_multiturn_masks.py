@@ -357,7 +357,7 @@ def test_whitening_moments_ignore_observations(layout):
         assert differs(layout.compact(leaked), want)
 
     # rlhf.rl.experience.whiten_advantages: the moments over every experience's real tokens
-    from rlhf.rl.experience import whiten_advantages
+    from rlhf.rl.experience_batch import whiten_advantages
 
     halves = (slice(0, B // 2), slice(B // 2, B))
     compact = whiten_advantages([experience(x[h], layout.mask[h]) for h in halves])
@@ -524,12 +524,16 @@ def update_config(policy_loss: str, aggregation: str, kl_estimator: str, correct
 
     cfg = Config()
     ppo = cfg.ppo
-    ppo.policy_loss, ppo.loss_aggregation = policy_loss, aggregation
-    ppo.kl_in_loss, ppo.kl_estimator, ppo.kl_coef = True, kl_estimator, 0.05
-    ppo.rollout_correction, ppo.tis_cap, ppo.correction_band = correction, 1.5, [0.7, 1.4]
-    ppo.entropy_coef, ppo.max_new_tokens = 0.01, MAX_TOKENS
-    ppo.clip_low, ppo.clip_high = 0.2, 0.28
-    ppo.dual_clip = 3.0 if POLICY_LOSSES[policy_loss].dual_clip else None
+    ppo.loss.policy, ppo.loss.aggregation = policy_loss, aggregation
+    ppo.kl.in_loss, ppo.kl.estimator, ppo.kl.coef = True, kl_estimator, 0.05
+    ppo.rollout.correction, ppo.rollout.tis_cap, ppo.rollout.correction_band = (
+        correction,
+        1.5,
+        [0.7, 1.4],
+    )
+    ppo.loss.entropy_coef, ppo.rollout.max_new_tokens = 0.01, MAX_TOKENS
+    ppo.loss.clip_low, ppo.loss.clip_high = 0.2, 0.28
+    ppo.loss.dual_clip = 3.0 if POLICY_LOSSES[policy_loss].dual_clip else None
     return cfg
 
 
@@ -563,7 +567,7 @@ def test_update_step_ignores_observations(policy_loss, aggregation, kl_estimator
 def test_rollout_and_correction_metrics_ignore_observations(layout):
     """rlhf.rl.experience's per-token metrics (KL, answer length, advantage mean, the
     correction's stats) count model tokens only."""
-    from rlhf.rl.experience import correction_metrics, rollout_metrics
+    from rlhf.rl.experience_batch import correction_metrics, rollout_metrics
 
     g = gen(30)
     x = {k: randn(B, TC, g=g) for k in ("adv", "kl", "old", "sampler")}

@@ -1,4 +1,4 @@
-"""ppo.on_policy_shortcut: where the update is the first and only optimizer step on a rollout,
+"""ppo.update.on_policy_shortcut: where the update is the first and only optimizer step on a rollout,
 the old log-probs are the update's own forward, detached, and the scoring pass skips the actor.
 Shown here: the same update (weights, every stat) as with the scoring pass, for every advantage
 estimator; the old log-probs and the KL filled in afterwards as the scoring pass would have
@@ -7,6 +7,7 @@ where it is not. (The two-rank CLI run is in tests/test_ppo_e2e.py.)"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,13 +17,9 @@ import torch
 from rlhf import registry
 from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, register_configs, to_config
-from rlhf.rl.experience import (
-    make_experience,
-    off_policy_reasons,
-    uses_on_policy_shortcut,
-    whiten_advantages,
-    with_update_kl,
-)
+from rlhf.config.resolve import Facts, off_policy_reasons, uses_on_policy_shortcut
+from rlhf.rl.experience import make_experience
+from rlhf.rl.experience_batch import whiten_advantages, with_update_kl
 from rlhf.steps.loop import NonFiniteGuard, TrainState
 from rlhf.steps.ppo_update import ppo_update
 from tests import test_ppo as ppo_tests
@@ -34,14 +31,14 @@ __all__ = ["PPO"]  # the fixture, used by name below
 
 # one rollout of 4 rows (2 prompts x 2 answers), one optimizer step of 4 rows
 ON_POLICY = [
-    "ppo.num_samples_per_prompt=2",
-    "ppo.per_device_generation_batch_size=2",
-    "ppo.generation_batches=1",
-    "ppo.per_device_training_batch_size=4",
-    "ppo.grad_accum=1",
-    "ppo.ppo_epochs=1",
-    "ppo.kl_in_loss=true",
-    "ppo.kl_estimator=k3",
+    "ppo.rollout.samples_per_prompt=2",
+    "ppo.rollout.per_device_batch_size=2",
+    "ppo.rollout.batches=1",
+    "ppo.update.per_device_batch_size=4",
+    "ppo.update.grad_accum=1",
+    "ppo.update.epochs=1",
+    "ppo.kl.in_loss=true",
+    "ppo.kl.estimator=k3",
 ]
 
 
@@ -63,9 +60,18 @@ class Stepped(ppo_tests.Trained):
 
 
 def _config(estimator: str, shortcut: bool | None, *extra: str):
-    overrides = ["step=sft", f"ppo.advantage_estimator={estimator}", *ON_POLICY, *extra]
+    overrides = ["step=sft", f"ppo.advantage.estimator={estimator}", *ON_POLICY, *extra]
     value = "null" if shortcut is None else str(shortcut).lower()
-    return to_config(compose([*overrides, f"ppo.on_policy_shortcut={value}"]))
+    return to_config(compose([*overrides, f"ppo.update.on_policy_shortcut={value}"]))
+
+
+def _shortcut(cfg, rollout_logprobs: bool) -> bool:
+    """ppo.update.on_policy_shortcut as rlhf.config.resolve decides it, after
+    ppo.rollout.logprobs (set here to ``rollout_logprobs``)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.ppo.rollout.logprobs = rollout_logprobs
+    facts = Facts(kl_reads_logits=registry.kl_needs_logits(cfg.ppo.kl.estimator))
+    return uses_on_policy_shortcut(cfg, facts)
 
 
 def _update(estimator: str, shortcut: bool, *extra: str):
@@ -77,11 +83,13 @@ def _update(estimator: str, shortcut: bool, *extra: str):
     critic = Stepped(ppo_tests._critic()) if registry.ESTIMATORS[estimator].needs_critic else None
     baselines = torch.tensor([5.0, 6.0, 4.0, 5.0]) if estimator == "remax" else None
     rollout = ppo_tests._rollout(GROUP_PROMPTS, GROUP_RESPONSES)
-    shaping = replace(SHAPING, estimator=estimator, kl_estimator=cfg.ppo.kl_estimator)
+    shaping = replace(SHAPING, estimator=estimator, kl_estimator=cfg.ppo.kl.estimator)
     models = (actor, ppo_tests._lm(seed=4), critic, LengthReward())
     exp = make_experience(rollout, *models, shaping, CPU, baselines, old_from_update=shortcut)
     scoring_forwards = actor.forwards
-    if cfg.ppo.correction != "none":  # another engine sampled: its log-probs off the actor's
+    if (
+        cfg.ppo.rollout.correction_mode != "none"
+    ):  # another engine sampled: its log-probs off the actor's
         sampled = make_experience(rollout, ppo_tests._lm(seed=3), *models[1:], shaping, CPU)
         offset = torch.sin(torch.arange(sampled.old_logprobs.numel()) * 1.7)
         exp = exp._replace(sampler_logprobs=sampled.old_logprobs + offset.view_as(exp.kl))
@@ -92,14 +100,14 @@ def _update(estimator: str, shortcut: bool, *extra: str):
     trained = SimpleNamespace(actor=actor, critic=critic, reference=models[1])
     stats = ppo_update(trained, exp, cfg, TrainState(), None, NonFiniteGuard(3), 0.1)
     if shortcut:
-        exp = with_update_kl(exp, cfg.ppo.kl_estimator)
+        exp = with_update_kl(exp, cfg.ppo.kl.estimator)
     return SimpleNamespace(
         actor=actor, critic=critic, exp=exp, stats=stats, scoring_forwards=scoring_forwards
     )
 
 
 CASES = [(name, ()) for name in sorted(registry.ESTIMATORS)] + [
-    ("grpo", ("ppo.rollout_engine=vllm", f"ppo.rollout_correction={mode}"))
+    ("grpo", ("ppo.rollout.engine=vllm", f"ppo.rollout.correction={mode}"))
     for mode in ("tis", "mask_token")
 ]
 
@@ -129,7 +137,7 @@ def test_the_shortcut_makes_the_same_update_with_one_actor_forward_less(estimato
 
 
 def test_the_update_refuses_the_shortcut_where_it_takes_a_second_step():
-    cfg = _config("grpo", True, "ppo.per_device_training_batch_size=2")
+    cfg = _config("grpo", True, "ppo.update.per_device_batch_size=2")
     rollout = ppo_tests._rollout(GROUP_PROMPTS, GROUP_RESPONSES)
     exp = make_experience(
         rollout, ppo_tests._lm(3), ppo_tests._lm(4), None, LengthReward(), SHAPING, CPU
@@ -141,36 +149,37 @@ def test_the_update_refuses_the_shortcut_where_it_takes_a_second_step():
 
 def _validated(ppo_step: list[str], *extra: str):
     """step=ppo with GRPO on one exactly on-policy step, ``extra`` and the shortcut asked for."""
-    grpo = ["ppo.advantage_estimator=grpo", *ON_POLICY]
-    return validated(compose([*ppo_step, *grpo, *extra, "ppo.on_policy_shortcut=true"]))
+    grpo = ["ppo.advantage.estimator=grpo", *ON_POLICY]
+    return validated(compose([*ppo_step, *grpo, *extra, "ppo.update.on_policy_shortcut=true"]))
 
 
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["ppo.ppo_epochs=2"], "ppo.ppo_epochs=2"),
-        (["ppo.per_device_training_batch_size=2"], "4 rows a rollout"),
-        (["ppo.kl_in_loss=false", "ppo.kl_coef=0.1"], "ppo.kl_in_loss"),
-        (["ppo.kl_estimator=full"], "ppo.kl_estimator=full"),
-        (["ppo.critic_warmup_steps=2"], "ppo.critic_warmup_steps"),
-        (["ppo.rollout_logprobs=true"], "ppo.rollout_logprobs=true takes them"),
+        (["ppo.update.epochs=2"], "ppo.update.epochs=2"),
+        (["ppo.update.per_device_batch_size=2"], "4 rows a rollout"),
+        (["ppo.kl.in_loss=false", "ppo.kl.coef=0.1"], "ppo.kl.in_loss"),
+        (["ppo.kl.estimator=full"], "ppo.kl.estimator=full"),
+        (["ppo.update.critic_warmup_steps=2"], "ppo.update.critic_warmup_steps"),
+        (["ppo.rollout.logprobs=true"], "ppo.rollout.logprobs=true takes them"),
     ],
 )
 def test_null_resolves_off_and_true_is_refused_where_the_update_is_off_policy(PPO, extra, reason):
     cfg = _config("grpo", None, *extra)
-    assert not uses_on_policy_shortcut(cfg, rollout_logprobs=cfg.ppo.rollout_logprobs is True)
+    assert not _shortcut(cfg, cfg.ppo.rollout.logprobs is True)
     with pytest.raises(ConfigError) as err:
         _validated(PPO, *extra)
-    [line] = [ln for ln in str(err.value).splitlines() if "ppo.on_policy_shortcut=" in ln]
-    assert "ppo.on_policy_shortcut=True: expected null or false here" in line
+    [line] = [ln for ln in str(err.value).splitlines() if "ppo.update.on_policy_shortcut=" in ln]
+    assert "ppo.update.on_policy_shortcut=True: expected null or false here" in line
     assert reason in line
 
 
 def test_null_resolves_on_only_where_the_old_logprobs_would_be_recomputed(PPO):
     cfg = _config("grpo", None)
     assert off_policy_reasons(cfg) == []
-    assert uses_on_policy_shortcut(cfg, rollout_logprobs=False)
-    assert not uses_on_policy_shortcut(cfg, rollout_logprobs=True)  # the sampler's: no forward
-    off = replace(cfg, ppo=replace(cfg.ppo, on_policy_shortcut=False))
-    assert not uses_on_policy_shortcut(off, rollout_logprobs=False)
-    assert _validated(PPO).ppo.on_policy_shortcut is True
+    assert _shortcut(cfg, False)
+    assert not _shortcut(cfg, True)  # the sampler's: no forward
+    off = replace(cfg.ppo.update, on_policy_shortcut=False)
+    off = replace(cfg, ppo=replace(cfg.ppo, update=off))
+    assert not _shortcut(off, False)
+    assert _validated(PPO).ppo.update.on_policy_shortcut is True

@@ -16,13 +16,12 @@ from rlhf.data.collate import left_pad, right_pad
 from rlhf.modeling.loading import ValueModel, scale_value_head
 from rlhf.rl.experience import (
     Experience,
-    concat,
     make_experience,
     mask_short_answers,
     response_logprobs,
     response_values,
-    whiten_advantages,
 )
+from rlhf.rl.experience_batch import concat, whiten_advantages
 from rlhf.rl.generation import Rollout, response_mask
 from rlhf.rl.shaping import Shaping
 

@@ -29,28 +29,30 @@ import torch
 from transformers import GenerationConfig, OPTConfig, OPTForCausalLM, OPTForSequenceClassification
 
 from rlhf import algos
-from rlhf.checks.validate import dropout_problems
-from rlhf.config import ConfigError, LoraConfig, ModelConfig, PPOConfig, register_configs, to_config
+from rlhf.checks.ppo_launch import dropout_problems
+from rlhf.config import (
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    PPOConfig,
+    PPOKLConfig,
+    PPORolloutConfig,
+    register_configs,
+    to_config,
+)
+from rlhf.config.resolve import Facts, uses_rollout_logprobs
 from rlhf.data.collate import left_pad, right_pad
-from rlhf.modeling.loading import ValueModel, apply_lora
+from rlhf.modeling.compatibility import causal_lm_class, end_of_text_problem, hybrid_engine_problem
+from rlhf.modeling.loading import ValueModel
+from rlhf.modeling.peft_lora import apply_lora
 from rlhf.rl import ema as ema_module
 from rlhf.rl import ptx as ptx_module
+from rlhf.rl.collector import Collector, LogprobGap
 from rlhf.rl.ema import EMA
-from rlhf.rl.experience import (
-    Collector,
-    LogprobGap,
-    make_experience,
-    rollout_metrics,
-    uses_rollout_logprobs,
-)
+from rlhf.rl.experience import make_experience
+from rlhf.rl.experience_batch import rollout_metrics
 from rlhf.rl.generation import Rollout, Sampling, generate
-from rlhf.rl.ppo_models import (
-    active_dropouts,
-    causal_lm_class,
-    end_of_text_problem,
-    hybrid_engine_problem,
-    refuse_dropout,
-)
+from rlhf.rl.ppo_models import active_dropouts, refuse_dropout
 from rlhf.rl.rollouts import HFDecoder
 from rlhf.rl.shaping import Shaping, penalised_scores
 from tests.conftest import compose, read_metrics
@@ -228,24 +230,31 @@ def test_a_saved_generation_config_changes_neither_sampling_nor_greedy_answers(l
 
 
 def test_rollout_logprobs_default_to_a_recompute_outside_fp32():
-    def cfg(rollout_logprobs=None, hybrid=False, kl_estimator="k1", **ppo):
+    def cfg(logprobs=None, hybrid=False, kl_estimator="k1", **rollout):
         return SimpleNamespace(
-            ppo=PPOConfig(rollout_logprobs=rollout_logprobs, kl_estimator=kl_estimator, **ppo),
+            ppo=PPOConfig(
+                rollout=PPORolloutConfig(logprobs=logprobs, **rollout),
+                kl=PPOKLConfig(estimator=kl_estimator),
+            ),
             actor=SimpleNamespace(hybrid_engine=hybrid),
         )
 
-    assert uses_rollout_logprobs(cfg(), "fp32") is True
-    assert uses_rollout_logprobs(cfg(), "bf16") is False
-    assert uses_rollout_logprobs(cfg(), "fp16") is False
-    assert uses_rollout_logprobs(cfg(True), "bf16") is True
-    assert uses_rollout_logprobs(cfg(False), "fp32") is False
-    assert uses_rollout_logprobs(cfg(None, hybrid=True), "fp32") is False
+    def uses(c, dtype: str) -> bool:  # the actor's dtype as resolved, the registry's answer
+        c.actor.model = SimpleNamespace(dtype=dtype)
+        return uses_rollout_logprobs(c, Facts(kl_reads_logits=c.ppo.kl.estimator == "full"))
+
+    assert uses(cfg(), "fp32") is True
+    assert uses(cfg(), "bf16") is False
+    assert uses(cfg(), "fp16") is False
+    assert uses(cfg(True), "bf16") is True
+    assert uses(cfg(False), "fp32") is False
+    assert uses(cfg(None, hybrid=True), "fp32") is False
     # the exact KL needs the actor's distributions, which the sampler does not keep
-    assert uses_rollout_logprobs(cfg(None, kl_estimator="full"), "fp32") is False
+    assert uses(cfg(None, kl_estimator="full"), "fp32") is False
     # vLLM's kernels are not the trainer's; a truncating sampler's record is the full softmax
-    assert uses_rollout_logprobs(cfg(None, rollout_engine="vllm"), "fp32") is False
-    assert uses_rollout_logprobs(cfg(None, top_k=5), "fp32") is False
-    assert uses_rollout_logprobs(cfg(None, top_p=0.9, greedy=True), "fp32") is True
+    assert uses(cfg(None, engine="vllm"), "fp32") is False
+    assert uses(cfg(None, top_k=5), "fp32") is False
+    assert uses(cfg(None, top_p=0.9, greedy=True), "fp32") is True
 
 
 def test_logprob_gap_is_the_mean_and_max_absolute_difference_over_answer_tokens():
@@ -472,7 +481,7 @@ def test_the_entropy_graph_is_built_only_when_it_is_trained(entropy_coef, monkey
 
     actor, critic = Trained(_lm(seed=9)), Trained(_critic(seed=10))
     exp = make_experience(_rollout(), actor, _lm(seed=6), critic, ConstantReward(1.0), SHAPING, CPU)
-    cfg = to_config(compose(["step=sft", f"ppo.entropy_coef={entropy_coef}"]))
+    cfg = to_config(compose(["step=sft", f"ppo.loss.entropy_coef={entropy_coef}"]))
     grad_modes = []
     entropy = algos.entropy_from_logits
 

@@ -20,10 +20,10 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on 
 SMALL = [
     *FAST,
     "reward.gold_eval_prompts=8",
-    "ppo.per_device_generation_batch_size=8",
-    "ppo.per_device_training_batch_size=8",
-    "ppo.max_new_tokens=16",
-    "ppo.eval_prompts=8",
+    "ppo.rollout.per_device_batch_size=8",
+    "ppo.update.per_device_batch_size=8",
+    "ppo.rollout.max_new_tokens=16",
+    "ppo.eval.prompts=8",
 ]
 PPO_METRICS = (
     "ppo/reward",
@@ -80,7 +80,7 @@ def test_step_all_writes_every_sub_run(pipeline):
     # each sub-run was composed from the same overrides
     assert summary["sft/train/steps"] == summary["reward/train/steps"] == 150
     assert summary["ppo/train/steps"] == 100  # one epoch of 800 prompts, 8 per iteration
-    assert summary["ppo/ppo/response_length"] <= 16  # ppo.max_new_tokens
+    assert summary["ppo/ppo/response_length"] <= 16  # ppo.rollout.max_new_tokens
     assert {"sft/eval/loss", "reward/eval/accuracy", "ppo/eval/reward", "ppo/ppo/reward"} <= set(
         summary
     )
@@ -90,8 +90,8 @@ def test_ppo_run_logs_contract_metrics_and_exports_reloadable_models(pipeline, c
     run_dir = tmp_path / "ppo"
     overrides = [
         *_ppo(pipeline, cache_dir),
-        "ppo.ema=true",
-        "ppo.unsup_coef=1.0",
+        "ppo.ema.enabled=true",
+        "ppo.ptx.coef=1.0",
         "step.max_steps=3",
         "step.log_interval=1",
     ]
@@ -129,7 +129,7 @@ def test_ppo_run_logs_contract_metrics_and_exports_reloadable_models(pipeline, c
     with torch.no_grad():
         score = critic(**inputs).logits
     assert score.shape == (1, 1) and torch.isfinite(score).all()
-    # the critic was scaled into normalised reward units (ppo.normalize_reward): its stats say so
+    # the critic was scaled into normalised reward units (ppo.reward.normalize): its stats say so
     reward_stats = json.loads((pipeline / "reward" / "model" / "reward_stats.json").read_text())
     critic_stats = json.loads((run_dir / "critic" / "reward_stats.json").read_text())
     assert critic_stats["std"] == 1.0
@@ -151,9 +151,9 @@ def test_ppo_run_logs_contract_metrics_and_exports_reloadable_models(pipeline, c
 
 
 MULTI_EPOCH = [
-    "ppo.ppo_epochs=4",
-    "ppo.generation_batches=2",
-    "ppo.per_device_training_batch_size=4",  # half a generation batch: 4 updates per epoch
+    "ppo.update.epochs=4",
+    "ppo.rollout.batches=2",
+    "ppo.update.per_device_batch_size=4",  # half a generation batch: 4 updates per epoch
     "step.max_steps=2",
     "step.log_interval=1",
     "step.eval_at_start=false",
@@ -201,19 +201,19 @@ def test_multi_epoch_ppo_measures_approx_kl_and_stops_at_target_kl(pipeline, cac
         assert 0 <= row["ppo/clipfrac"] <= 1
         assert math.isfinite(row["ppo/actor_loss"]) and math.isfinite(row["ppo/critic_loss"])
 
-    run_rlhf([*base, "ppo.target_kl=1e-9"], run_dir=tmp_path / "early", extra_env=ONE_THREAD)
+    run_rlhf([*base, "ppo.update.target_kl=1e-9"], run_dir=tmp_path / "early", extra_env=ONE_THREAD)
     rows = _rows(tmp_path / "early", "ppo/approx_kl")
     assert [r["ppo/epochs_run"] for r in rows] == [1, 1]
 
 
 PARITY = [
-    "ppo.greedy=true",  # the rollouts are then a function of the weights, whatever the rank layout
+    "ppo.rollout.greedy=true",  # the rollouts are then a function of the weights, whatever the rank layout
     "step.max_steps=3",
     "step.eval_at_start=false",
     "step.eval_interval=0",
     "step.log_interval=1",
     "step.save_model=false",
-    "ppo.eval_prompts=4",
+    "ppo.eval.prompts=4",
     "actor.optim.warmup_steps=0",  # every one of the 3 updates moves the weights
     "critic.optim.warmup_steps=0",
 ]
@@ -232,8 +232,8 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
         [
             *base,
             "zero=stage0",
-            "ppo.per_device_generation_batch_size=8",
-            "ppo.per_device_training_batch_size=8",
+            "ppo.rollout.per_device_batch_size=8",
+            "ppo.update.per_device_batch_size=8",
         ],
         run_dir=tmp_path / "zero0",
         extra_env=ONE_THREAD,
@@ -244,8 +244,8 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
             "zero=stage3",
             "actor.zero.stage3_param_persistence_threshold=0",  # partition every parameter
             "critic.zero.stage3_param_persistence_threshold=0",
-            "ppo.per_device_generation_batch_size=4",
-            "ppo.per_device_training_batch_size=4",
+            "ppo.rollout.per_device_batch_size=4",
+            "ppo.update.per_device_batch_size=4",
         ],
         run_dir=tmp_path / "zero3",
         nproc=2,
@@ -255,7 +255,7 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
     assert len(lines) == len(set(lines))  # rank 0 logs alone
     # greedy rollouts with a sampled-token KL estimator are told what holds the policy
     assert (
-        "ppo.kl_estimator=full ppo.kl_in_loss=true holds it"
+        "ppo.kl.estimator=full ppo.kl.in_loss=true holds it"
         in (tmp_path / "zero0" / "__main__.log").read_text()
     )
     zero0, zero3 = _parity_rows(tmp_path / "zero0"), _parity_rows(tmp_path / "zero3")
@@ -271,18 +271,20 @@ def test_grpo_with_the_on_policy_shortcut_matches_the_scoring_forward(
     pipeline, cache_dir, tmp_path
 ):
     """GRPO, one optimizer step a rollout on 2 ranks: the old log-probs from the update's forward
-    (ppo.on_policy_shortcut) give the run that scoring them first gives, three iterations long."""
+    (ppo.update.on_policy_shortcut) give the run that scoring them first gives, three iterations long."""
     base = [
         *_ppo(pipeline, cache_dir),
-        *[o for o in PARITY if o != "ppo.greedy=true"],  # a group of greedy answers teaches nothing
+        *[
+            o for o in PARITY if o != "ppo.rollout.greedy=true"
+        ],  # a group of greedy answers teaches nothing
         "algo=grpo",
-        "ppo.per_device_generation_batch_size=2",  # 2 prompts x 4 answers: one step of 8 rows
-        "ppo.rollout_logprobs=false",
+        "ppo.rollout.per_device_batch_size=2",  # 2 prompts x 4 answers: one step of 8 rows
+        "ppo.rollout.logprobs=false",
     ]
     runs = {}
     for shortcut in ("true", "false"):
         run_dir = tmp_path / shortcut
-        overrides = [*base, f"ppo.on_policy_shortcut={shortcut}"]
+        overrides = [*base, f"ppo.update.on_policy_shortcut={shortcut}"]
         run_rlhf(overrides, run_dir=run_dir, nproc=2, extra_env=ONE_THREAD)
         rows = _rows(run_dir, "ppo/reward")
         assert [r["step"] for r in rows] == [1, 2, 3]
@@ -301,11 +303,11 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
         *SMALL,
         f"actor.model.path={sft}",
         f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
-        "ppo.reward_function=toy_gold",
-        "ppo.normalize_reward=false",
+        "ppo.reward.function=toy_gold",
+        "ppo.reward.normalize=false",
         # the exact KL through the experience and the evaluator, and as the loss's KL term
-        "ppo.kl_estimator=full",
-        "ppo.kl_in_loss=true",
+        "ppo.kl.estimator=full",
+        "ppo.kl.in_loss=true",
         "step.max_steps=4",
         "step.eval_interval=2",
         *cache_overrides(cache_dir),
@@ -325,7 +327,7 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
 
 def test_step_all_with_a_rule_based_reward_trains_no_reward_model(cache_dir, tmp_path):
     run_dir = tmp_path / "all"
-    overrides = ["step=all", *SMALL, "ppo.reward_function=toy_gold", "step.max_steps=2"]
+    overrides = ["step=all", *SMALL, "ppo.reward.function=toy_gold", "step.max_steps=2"]
     proc = run_rlhf(
         [*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD
     )

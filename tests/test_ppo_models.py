@@ -15,7 +15,7 @@ from transformers import OPTConfig, OPTForCausalLM
 
 from rlhf.checks.validate import validated
 from rlhf.config import ActorConfig, ConfigError, CriticConfig, LoraConfig, register_configs
-from rlhf.modeling.loading import AdaptersOff, apply_lora, reference_is_base
+from rlhf.modeling.peft_lora import AdaptersOff, apply_lora, reference_is_base
 from tests.conftest import FAST, cache_overrides, compose, read_metrics, read_summary, run_rlhf
 
 register_configs()
@@ -102,11 +102,11 @@ TINY = [
     "data.max_eval_rows=16",
     "sft.gold_eval_prompts=4",
     "reward.gold_eval_prompts=4",
-    "ppo.per_device_generation_batch_size=8",
-    "ppo.per_device_training_batch_size=4",
-    "ppo.max_new_tokens=8",
-    "ppo.eval_prompts=8",
-    "ppo.eval_samples=1",
+    "ppo.rollout.per_device_batch_size=8",
+    "ppo.update.per_device_batch_size=4",
+    "ppo.rollout.max_new_tokens=8",
+    "ppo.eval.prompts=8",
+    "ppo.eval.samples=1",
 ]
 
 

@@ -96,7 +96,7 @@ def test_a_renamed_key_names_its_new_name():
     from tests.conftest import compose
 
     register_configs()  # the schema compose() needs, when this file runs alone
-    assert RENAMED_KEYS == RENAMED
+    assert RENAMED.items() <= RENAMED_KEYS.items()  # PPO's: tests/test_ppo_keys.py
     for old, new in RENAMED.items():
         assert unknown_key(old) == f"no such key; renamed to {new}"
     # added with "++" the composition takes it: the validation refuses it

@@ -31,15 +31,15 @@ SHAPES = {  # facebook/opt-125m and facebook/opt-350m's config.json, random weig
 }  # fmt: skip
 SOURCES = ("rm-static", "full-hh-rlhf", "synthetic-instruct-gptj-pairwise", "rlhf-reward-datasets")
 # the rows are the toy task's, short: the recipe's 512 / 256 / 256 tokens would only pad
-SHORT = ["data.max_seq_len=64", "data.max_prompt_len=32", "ppo.max_new_tokens=16"]
+SHORT = ["data.max_seq_len=64", "data.max_prompt_len=32", "ppo.rollout.max_new_tokens=16"]
 QUICK = [
     "step.max_steps=2",
     "step.eval_at_start=false",
     "step.log_interval=1",
     "data.max_eval_rows=4",
     "sft.gold_eval_prompts=0",
-    "ppo.eval_prompts=2",
-    "ppo.eval_samples=1",
+    "ppo.eval.prompts=2",
+    "ppo.eval.samples=1",
     "logger.progress_bar=false",
 ]
 ENGINE = re.compile(
@@ -52,7 +52,7 @@ def test_the_recipe_takes_vllm_rollouts_in_place_of_the_hybrid_engine():
         (CONF_DIR / "experiment_step" / "opt-1.3b-350m" / "ppo.yaml").read_text()
     )
     assert recipe["actor"].get("hybrid_engine") is not True  # refused on CPU and transformers 5
-    assert recipe["ppo"]["rollout_engine"] == "vllm"
+    assert recipe["ppo"]["rollout"]["engine"] == "vllm"
 
 
 def _model(name: str, out: Path) -> Path:
@@ -137,7 +137,7 @@ def test_the_published_recipe_runs_its_three_steps(tmp_path, cache_dir):
     exports = [f"actor.model.path={sft / 'model'}", f"critic.model.path={reward / 'model'}"]
     # the recipe's vLLM rollouts need vLLM (scripts/install_vllm.sh; tests/test_vllm.py runs
     # them): here the transformers path generates, everything else is the recipe's
-    ppo = run("ppo", *exports, "ppo.rollout_engine=hf")
+    ppo = run("ppo", *exports, "ppo.rollout.engine=hf")
 
     # step 1: run_1.3b.sh's lr 9.65e-6, cosine without warmup (over these 2 steps: half of the
     # peak after the first), micro batches of 8 rows

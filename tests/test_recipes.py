@@ -100,23 +100,28 @@ def test_ppo_step_has_the_published_step3_values(exports):
     assert not c.actor.zero.offload and not c.critic.zero.offload
     assert (c.actor.lora.rank, c.critic.lora.rank) == (0, 0)
     # --enable_hybrid_engine: vLLM rollouts in its place
-    assert c.ppo.rollout_engine == "vllm" and c.actor.hybrid_engine is False
+    assert c.ppo.rollout.engine == "vllm" and c.actor.hybrid_engine is False
     assert not c.actor.offload_reference and not c.critic.offload_reward_model
     p = c.ppo
-    assert p.prompt_sources == ["rm-static"]  # --data_path Dahoas/rm-static
+    assert p.rollout.prompt_sources == ["rm-static"]  # --data_path Dahoas/rm-static
     assert list(c.data.sources) == STEP1_FOUR and list(c.data.phase_split) == [2, 4, 4]
-    assert (c.data.max_prompt_len, p.max_new_tokens) == (256, 256)
+    assert (c.data.max_prompt_len, p.rollout.max_new_tokens) == (256, 256)
     assert c.data.overlong_prompts == "skip"  # phase 3 drops prompts over 256 tokens
-    assert (p.per_device_generation_batch_size, p.per_device_training_batch_size) == (4, 4)
-    assert (p.generation_batches, p.ppo_epochs, p.epochs, p.grad_accum) == (1, 1, 1, 1)
+    assert (p.rollout.per_device_batch_size, p.update.per_device_batch_size) == (4, 4)
+    assert (p.rollout.batches, p.update.epochs, p.update.prompt_epochs, p.update.grad_accum) == (
+        1,
+        1,
+        1,
+        1,
+    )
     # ppo_trainer.py's constants
-    assert (p.kl_coef, p.kl_estimator, p.adaptive_kl) == (0.1, "k1", False)
-    assert (p.clip_range, p.clip_range_value, p.clip_reward_value) == (0.2, 0.2, 5.0)
-    assert (p.gamma, p.lam, p.min_response_tokens) == (1.0, 0.95, 2)
-    assert not p.whiten_advantages and not p.normalize_reward
-    assert (p.ema, p.ema_beta) == (True, 0.992)  # --enable_ema
-    assert p.unsup_coef == 0.0  # no unsupervised dataset: PTX off
-    assert p.stop_at_eos and not p.greedy
+    assert (p.kl.coef, p.kl.estimator, p.kl.adaptive) == (0.1, "k1", False)
+    assert (p.loss.clip_range, p.loss.value_clip, p.reward.clip) == (0.2, 0.2, 5.0)
+    assert (p.advantage.gamma, p.advantage.lam, p.rollout.min_response_tokens) == (1.0, 0.95, 2)
+    assert not p.advantage.whiten and not p.reward.normalize
+    assert (p.ema.enabled, p.ema.beta) == (True, 0.992)  # --enable_ema
+    assert p.ptx.coef == 0.0  # no unsupervised dataset: PTX off
+    assert p.rollout.stop_at_eos and not p.rollout.greedy
 
 
 def test_ppo_step_asks_for_the_exports():
@@ -132,7 +137,9 @@ def test_sft_step_keeps_the_step1_values():
     assert (c.optim.lr, c.optim.weight_decay, c.optim.epochs) == (9.65e-6, 0.0, 16)
     assert (c.optim.micro_batch_size, c.optim.eval_micro_batch_size) == (8, 8)
     assert c.sft.loss_on_prompt and c.zero.stage == 2
-    assert c.reward.loss == "pairwise" and c.ppo.prompt_sources == []  # no other step's values
+    assert (
+        c.reward.loss == "pairwise" and c.ppo.rollout.prompt_sources == []
+    )  # no other step's values
 
 
 def test_step_all_trains_the_reward_model_from_the_base_opt_350m(tmp_path):
@@ -226,7 +233,7 @@ def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
                     # --actor_zero_stage ${z} --critic_zero_stage ${z}; --offload for both
                     assert (job.actor.zero.stage, job.critic.zero.stage) == (stage, stage)
                     assert (job.actor.zero.offload, job.critic.zero.offload) == (offload, offload)
-                    assert job.actor.hybrid_engine is False and job.ppo.ema is False
+                    assert job.actor.hybrid_engine is False and job.ppo.ema.enabled is False
                     assert job.critic.lora.rank == 0  # --critic_lora_dim 0
                     ranks.add(job.actor.lora.rank)
                     if job.actor.lora.rank:  # --actor_lora_dim 128 --actor_lora_module_name
@@ -234,12 +241,15 @@ def test_step3_sweep_is_deepspeed_chats_grid_without_the_hybrid_engine(exports):
                         assert (lo.alpha, lo.module_filter) == (128, "decoder.layers.")
                         assert not lo.only_optimize_lora and lo.learning_rate == 5e-4
     assert ranks == {0, 128}
-    hybrid = [*exports, RECIPE, "actor.hybrid_engine=true", "ppo.rollout_engine=hf"]
+    hybrid = [*exports, RECIPE, "actor.hybrid_engine=true", "ppo.rollout.engine=hf"]
     on_gpu = validated(compose_sweep("step3", hybrid))
     assert on_gpu.actor.hybrid_engine is True and not on_gpu.critic.hybrid_engine
     published = validated(compose_sweep("step3", [*exports, RECIPE]))
     assert (published.actor.optim.lr, published.critic.optim.lr) == (9.65e-6, 5e-6)
-    assert (published.ppo.prompt_sources, published.ppo.max_new_tokens) == (["rm-static"], 256)
+    assert (published.ppo.rollout.prompt_sources, published.ppo.rollout.max_new_tokens) == (
+        ["rm-static"],
+        256,
+    )
 
 
 def test_step3_job_dirs_leave_out_the_export_paths(exports):

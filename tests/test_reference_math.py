@@ -14,8 +14,8 @@ import torch
 
 from rlhf import algos, registry
 from rlhf.checks.validate import validated
-from rlhf.config import PPOConfig, register_configs
-from rlhf.rl.experience import whiten_advantages
+from rlhf.config import PPOConfig, PPOLossConfig, register_configs
+from rlhf.rl.experience_batch import whiten_advantages
 from tests import test_ppo as ppo_tests
 from tests.conftest import compose
 
@@ -218,9 +218,9 @@ def test_cispo_keeps_the_gradient_of_tokens_the_ppo_clip_zeroes():
 
 
 def test_clip_low_alone_keeps_the_documented_upper_bound():
-    low, high = registry.clip_range(PPOConfig(clip_low=0.1))
-    assert (low, high) == (0.1, 0.2)  # [0.9, 1.2], as ppo.clip_low's meaning says
-    assert registry.clip_range(PPOConfig(clip_high=0.28)) == (0.2, 0.28)
+    low, high = registry.clip_range(PPOConfig(loss=PPOLossConfig(clip_low=0.1)))
+    assert (low, high) == (0.1, 0.2)  # [0.9, 1.2], as ppo.loss.clip_low's meaning says
+    assert registry.clip_range(PPOConfig(loss=PPOLossConfig(clip_high=0.28))) == (0.2, 0.28)
     # a ratio of 1.15 with A > 0 is inside [0.9, 1.2]: it keeps its gradient (a [0.9, 1.1] clip
     # would zero it)
     logprobs = torch.log(torch.tensor([[1.15]])).requires_grad_()
@@ -347,9 +347,12 @@ def test_each_estimator_declares_what_the_loop_needs():
     ("overrides", "aggregation"),
     [
         ([], "token-mean"),
-        (["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=2"], "seq-mean-token-mean"),
-        (["ppo.policy_loss=gspo"], "seq-mean-token-mean"),
-        (["ppo.policy_loss=gspo", "ppo.loss_aggregation=token-mean"], "token-mean"),
+        (
+            ["ppo.advantage.estimator=grpo", "ppo.rollout.samples_per_prompt=2"],
+            "seq-mean-token-mean",
+        ),
+        (["ppo.loss.policy=gspo"], "seq-mean-token-mean"),
+        (["ppo.loss.policy=gspo", "ppo.loss.aggregation=token-mean"], "token-mean"),
     ],
 )
 def test_a_null_aggregation_follows_the_loss_then_the_estimator(overrides, aggregation):
@@ -357,25 +360,30 @@ def test_a_null_aggregation_follows_the_loss_then_the_estimator(overrides, aggre
 
 
 BAD = [
-    (["ppo.policy_loss=vanilla"], "ppo.policy_loss", "'vanilla'", "ppo, gspo, cispo"),
+    (["ppo.loss.policy=vanilla"], "ppo.loss.policy", "'vanilla'", "ppo, gspo, cispo"),
     (
-        ["ppo.policy_loss=cispo", "ppo.dual_clip=3.0"],
-        "ppo.dual_clip",
+        ["ppo.loss.policy=cispo", "ppo.loss.dual_clip=3.0"],
+        "ppo.loss.dual_clip",
         "3.0",
-        "null with policy_loss=cispo",
+        "null with ppo.loss.policy=cispo",
     ),
     (
         [
-            "ppo.advantage_estimator=rloo",
-            "ppo.num_samples_per_prompt=4",
-            "ppo.critic_warmup_steps=2",
+            "ppo.advantage.estimator=rloo",
+            "ppo.rollout.samples_per_prompt=4",
+            "ppo.update.critic_warmup_steps=2",
         ],
-        "ppo.critic_warmup_steps",
+        "ppo.update.critic_warmup_steps",
         "2",
         "trains no critic",
     ),
-    (["ppo.critic_warmup_steps=-1"], "ppo.critic_warmup_steps", "-1", ">= 0"),
-    (["ppo.advantage_estimator=reinforce_pp_baseline"], "ppo.num_samples_per_prompt", "1", ">= 2"),
+    (["ppo.update.critic_warmup_steps=-1"], "ppo.update.critic_warmup_steps", "-1", ">= 0"),
+    (
+        ["ppo.advantage.estimator=reinforce_pp_baseline"],
+        "ppo.rollout.samples_per_prompt",
+        "1",
+        ">= 2",
+    ),
 ]
 
 
@@ -399,7 +407,7 @@ def test_a_registered_estimator_needs_no_other_change():
         return advantages, advantages
 
     try:
-        config = validated(compose([*PPO, "ppo.advantage_estimator=test_sign"]))
+        config = validated(compose([*PPO, "ppo.advantage.estimator=test_sign"]))
         assert registry.whitens(config.ppo) and not registry.uses_critic(config.ppo)
         with pytest.raises(ValueError, match="twice"):
             registry.register_estimator("test_sign")(sign)
@@ -414,7 +422,7 @@ def test_critic_warmup_trains_the_critic_and_leaves_the_actor():
     actor, critic = ppo_tests.Trained(ppo_tests._lm(seed=3)), ppo_tests.Trained(ppo_tests._critic())
     exp = ppo_tests._experience(ppo_tests._rollout(), actor.module, critic.module)
     models = SimpleNamespace(actor=actor, critic=critic, reference=None)
-    cfg = validated(compose([*PPO, "ppo.critic_warmup_steps=1"]))
+    cfg = validated(compose([*PPO, "ppo.update.critic_warmup_steps=1"]))
     for train_actor in (False, True):
         actor.zero_grad(set_to_none=True)
         critic.zero_grad(set_to_none=True)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlhf import registry
-from rlhf.__main__ import print_help
 from rlhf.checks.validate import validated
+from rlhf.cli.compose import print_help
 from rlhf.config import ConfigError, to_config
 from tests import test_critic_free as critic_free
 from tests import test_ppo as ppo_tests
@@ -43,7 +43,7 @@ def negated_grpo():
 
 
 def test_help_lists_a_registered_estimator_with_its_summary(negated_grpo, capsys):
-    print_help(["ppo.advantage_estimator"])
+    print_help(["ppo.advantage.estimator"])
     text = " ".join(capsys.readouterr().out.split())  # the meaning wraps at the terminal
     assert "gae: Generalised advantage estimation" in text
     assert f"; {NAME}: GRPO's advantages, negated (a test's estimator)" in text
@@ -51,17 +51,17 @@ def test_help_lists_a_registered_estimator_with_its_summary(negated_grpo, capsys
 
 def test_the_checks_accept_a_registered_name_and_refuse_an_unknown_one(negated_grpo, tmp_path):
     paths = ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"]
-    group = ["ppo.num_samples_per_prompt=2", "ppo.per_device_generation_batch_size=16"]
-    config = validated(compose([*paths, *group, f"ppo.advantage_estimator={NAME}"]))
+    group = ["ppo.rollout.samples_per_prompt=2", "ppo.rollout.per_device_batch_size=16"]
+    config = validated(compose([*paths, *group, f"ppo.advantage.estimator={NAME}"]))
     assert not registry.uses_critic(config.ppo)
     assert registry.loss_aggregation(config.ppo) == "seq-mean-token-mean"  # the entry's own
     with pytest.raises(ConfigError) as err:
-        validated(compose([*paths, f"ppo.advantage_estimator={NAME}"]))
-    assert "ppo.num_samples_per_prompt=1: expected an integer >= 2" in str(err.value)  # group
+        validated(compose([*paths, f"ppo.advantage.estimator={NAME}"]))
+    assert "ppo.rollout.samples_per_prompt=1: expected an integer >= 2" in str(err.value)  # group
     with pytest.raises(ConfigError) as err:
-        validated(compose([*paths, "ppo.advantage_estimator=test_unknown"]))
-    [line] = [ln.strip() for ln in str(err.value).splitlines() if "advantage_estimator=" in ln]
-    assert line.startswith("ppo.advantage_estimator='test_unknown': expected one of gae, ")
+        validated(compose([*paths, "ppo.advantage.estimator=test_unknown"]))
+    [line] = [ln.strip() for ln in str(err.value).splitlines() if "ppo.advantage.estimator=" in ln]
+    assert line.startswith("ppo.advantage.estimator='test_unknown': expected one of gae, ")
     assert line.endswith(f", remax, {NAME}")
 
 
@@ -74,7 +74,7 @@ def _update(estimator: str):
     exp = critic_free._group_experience(estimator)
     cfg = to_config(
         compose(
-            ["step=sft", f"ppo.advantage_estimator={estimator}", "ppo.num_samples_per_prompt=2"]
+            ["step=sft", f"ppo.advantage.estimator={estimator}", "ppo.rollout.samples_per_prompt=2"]
         )
     )
     actor = ppo_tests.Trained(ppo_tests._lm(seed=3))  # the rollout's actor: every ratio is 1

@@ -43,10 +43,10 @@ def fast(**replace: str) -> list[str]:
 
 PPO_SMALL = [
     "reward.gold_eval_prompts=8",
-    "ppo.per_device_generation_batch_size=8",
-    "ppo.per_device_training_batch_size=8",
-    "ppo.max_new_tokens=16",
-    "ppo.eval_prompts=8",
+    "ppo.rollout.per_device_batch_size=8",
+    "ppo.update.per_device_batch_size=8",
+    "ppo.rollout.max_new_tokens=16",
+    "ppo.eval.prompts=8",
 ]
 # 10 steps, a row every step, a checkpoint every 4 (so 4 and 8 are boundaries, 6 is not)
 CADENCE = ["step.max_steps=10", "step.log_interval=1", "step.checkpoint_interval=4"]

@@ -1,4 +1,4 @@
-"""Rule-based PPO rewards (ppo.reward_function): names resolve or fail saying why, and a
+"""Rule-based PPO rewards (ppo.reward.function): names resolve or fail saying why, and a
 RewardFunction scores the decoded answers of a left-padded rollout, one float per row."""
 
 import numpy as np
@@ -115,4 +115,4 @@ def test_a_function_that_breaks_its_contract_fails_naming_it(function, message):
     name = f"tests.test_reward_functions:{function}"
     with pytest.raises(ConfigError) as err:
         RewardFunction(name, tokenizer)(*batch)
-    assert f"ppo.reward_function={name}" in str(err.value) and message in str(err.value)
+    assert f"ppo.reward.function={name}" in str(err.value) and message in str(err.value)

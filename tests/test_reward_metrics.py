@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import DataConfig, SourceConfig
 from rlhf.data.prepare import phase_dataset
-from rlhf.evaluators.held_out import scored_pairs
 from rlhf.evaluators.pair_metrics import (
     ScoredPair,
     correlation,
@@ -22,6 +21,7 @@ from rlhf.evaluators.pair_metrics import (
     pair_metrics,
     quantile,
 )
+from rlhf.evaluators.pair_scores import scored_pairs
 
 
 def sigmoid(x: float) -> float:

@@ -17,16 +17,16 @@ pytestmark = pytest.mark.slow
 REDUCED = [
     "data.sources.toy.num_rows=8000",
     "data.phase_split=[5,3,2]",
-    "ppo.eval_prompts=64",
-    "ppo.eval_samples=2",
+    "ppo.eval.prompts=64",
+    "ppo.eval.samples=2",
     "logger.progress_bar=false",
 ]
 # measured at this size: greedy gold 0.00 -> 0.86, sampled 0.12 -> 0.69
 MARGIN = 0.4
 MANY_UPDATES = [
-    "ppo.ppo_epochs=4",
-    "ppo.generation_batches=2",
-    "ppo.per_device_training_batch_size=16",
+    "ppo.update.epochs=4",
+    "ppo.rollout.batches=2",
+    "ppo.update.per_device_batch_size=16",
 ]
 
 
@@ -45,13 +45,13 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
     many_updates = tmp_path / "ppo_4x2"
     run_rlhf(
         [
-            *(o for o in REDUCED if not o.startswith("ppo.eval_prompts=")),
+            *(o for o in REDUCED if not o.startswith("ppo.eval.prompts=")),
             *cache_overrides(cache_dir),
             "step=ppo",
             f"actor.model.path={tmp_path / 'sft' / 'model'}",
             f"critic.model.path={tmp_path / 'reward' / 'model'}",
             *MANY_UPDATES,
-            "ppo.eval_prompts=256",  # 64 prompts resolve gold_correct to 0.016 only
+            "ppo.eval.prompts=256",  # 64 prompts resolve gold_correct to 0.016 only
             "step.save_model=false",
         ],
         run_dir=many_updates,

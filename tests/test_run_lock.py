@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rlhf.__main__ import RUN_LOCK
+from rlhf.cli.run import RUN_LOCK
 from rlhf.runtime.locks import sole_user
 from tests.conftest import FAST, REPO, run_rlhf
 

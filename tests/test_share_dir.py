@@ -44,14 +44,14 @@ def test_runs_that_read_the_same_keys_share_their_steps(tmp_path):
     # keys only later steps read, and what resume may change, leave both shared steps alone
     for other in (
         ["algo=grpo"],
-        ["ppo.kl_coef=0.1"],
+        ["ppo.kl.coef=0.1"],
         ["logger.progress_bar=false", "step.eval_interval=7"],
     ):
         assert _dirs([*share, *other], tmp_path / "b")[1] == ppo, other
     # DPO and the gold reward train no reward model: the same SFT model
     _, dpo = _dirs([*share, "algo=dpo"], tmp_path / "c")
     assert dpo == {"sft": ppo["sft"]}
-    _, gold = _dirs([*share, "ppo.reward_function=toy_gold"], tmp_path / "d")
+    _, gold = _dirs([*share, "ppo.reward.function=toy_gold"], tmp_path / "d")
     assert gold == {"sft": ppo["sft"]}
     # a key SFT reads makes another SFT, and so another reward model (it starts from SFT's)
     for other in (["seed=2"], ["sft.gold_eval_prompts=8", "optim.lr=1e-4"]):
@@ -104,8 +104,8 @@ def test_a_dpo_run_after_a_ppo_run_starts_from_the_same_sft_model(tmp_path, cach
         "step=all",
         *FAST,
         "step.max_steps=3",
-        "ppo.eval_prompts=8",
-        "ppo.eval_samples=1",
+        "ppo.eval.prompts=8",
+        "ppo.eval.samples=1",
         f"pipeline.share_dir={shared}",
         *cache_overrides(cache_dir),
     ]

@@ -26,10 +26,10 @@ from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlhf.__main__ import _run_time_str
+from rlhf.cli.ranks import run_time_str
 from rlhf.config import register_configs
 from rlhf.runtime import dist
-from rlhf.tools import slurm
+from rlhf.tools import slurm, slurm_task
 from tests.conftest import REPO, SWEEPS_DIR, cache_overrides, compose, compose_sweep
 from tests.scale_out import (
     SMALL,
@@ -119,7 +119,7 @@ def test_tasks_per_node():
 
 def _launcher(overrides=(), sweep: str | None = None):
     """The composed config and the SLURM launcher instantiated from it, as a multirun does."""
-    OmegaConf.register_new_resolver("rlhf_now", _run_time_str, replace=True)
+    OmegaConf.register_new_resolver("rlhf_now", run_time_str, replace=True)
     if sweep is None:
         cfg = compose(["hydra/launcher=slurm", *overrides], hydra_config=True)
     else:
@@ -219,9 +219,9 @@ def test_every_sweep_file_submits_under_slurm(name):
 
 
 def test_slurm_durations_and_job_states_are_read():
-    assert slurm.parse_duration("1-02:03:04") == 93784
-    assert slurm.parse_duration("05:06") == 306
-    assert slurm.parse_duration("UNLIMITED") is None
+    assert slurm_task.parse_duration("1-02:03:04") == 93784
+    assert slurm_task.parse_duration("05:06") == 306
+    assert slurm_task.parse_duration("UNLIMITED") is None
     squeue = "12_0|RUNNING|None\n12_1|PENDING|PartitionConfig\n"
     assert slurm._parse_states(squeue) == {
         "12_0": ("RUNNING", "None"),
@@ -239,11 +239,11 @@ def test_a_task_forwards_slurms_warning_as_sigterm(tmp_path):
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    forwarder = slurm.StopForwarder(signal.SIGUSR2)
+    forwarder = slurm_task.StopForwarder(signal.SIGUSR2)
     try:
         with open(tmp_path / "out", "w") as out:
             cmd = [sys.executable, "-c", code]
-            proc = slurm.mechanics.start_process(cmd, out, (signal.SIGUSR2,))
+            proc = slurm_task.mechanics.start_process(cmd, out, (signal.SIGUSR2,))
             forwarder.attach(proc)
             deadline = time.monotonic() + 30
             while "ready" not in (tmp_path / "out").read_text() and time.monotonic() < deadline:
@@ -258,7 +258,7 @@ def test_a_task_forwards_slurms_warning_as_sigterm(tmp_path):
 
 
 def test_the_task_pickles_as_submitit_ships_it():
-    task = slurm.SlurmTask(["python", "-m", "rlhf"], "/s/job", {"index": 0}, 120, 3)
+    task = slurm_task.SlurmTask(["python", "-m", "rlhf"], "/s/job", {"index": 0}, 120, 3)
     again = pickle.loads(pickle.dumps(task.checkpoint()))
     assert again.function == task
 

@@ -72,6 +72,6 @@ def test_an_unknown_key_in_a_sweep_files_params_is_refused_once(tmp_path):
     message = proc.stderr[proc.stderr.index("error: ") :].strip()
     assert message == (
         "error: the sweep's 2 jobs would all be refused (none was started): invalid "
-        "configuration:\n  ppo.kl_coeff: no such key; the closest known key is ppo.kl_coef"
+        "configuration:\n  ppo.kl_coeff: no such key; the closest known key is ppo.kl.coef"
     )
     assert [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]

@@ -98,7 +98,7 @@ def test_kl_epochs_runs_the_pipeline_or_ppo_on_given_exports(tmp_path):
             ["step=ppo", f"actor.model.path={tmp_path}", f"critic.model.path={tmp_path}"],
         )
     )
-    assert (c.step.name, c.ppo.kl_coef) == (
+    assert (c.step.name, c.ppo.kl.coef) == (
         "ppo",
         0.3,
     )  # model=tiny's (conf/tuning/tiny), until the sweep sets it

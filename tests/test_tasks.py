@@ -15,7 +15,7 @@ from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, DataConfig, SourceConfig, register_configs
 from rlhf.data.prepare import phase_dataset
-from rlhf.evaluators.held_out import checkable_rows, grade
+from rlhf.evaluators.gold_grading import checkable_rows, grade
 from rlhf.tasks import Grade
 from tests.conftest import FAST, cache_overrides, compose, read_summary, run_rlhf
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf.assets import TINY_TOKENIZER_DIR, build_tokenizer
-from rlhf.tasks import Grade, toy
+from rlhf.tasks import Grade, toy, toy_grading, toy_world, toy_wrong
 
 COLUMNS = {
     "prompt",
@@ -100,7 +100,7 @@ def test_schema_and_rm_static_format(train_rows):
 
 def _instance(row: dict) -> tuple:
     """(family, instance, question) of a toy row, for toy.with_habit."""
-    family, inst = toy._lookup(row["prompt"])
+    family, inst = toy_grading._lookup(row["prompt"])
     question = row["prompt"].split("Human: ")[1].split("\n\nAssistant:")[0]
     return family, inst, question
 
@@ -239,7 +239,7 @@ def test_kind_proportions(many_rows):
             weight, abs=0.02
         )
     wrong = [r["wrong_kind"] for r in many_rows if r["rejected_kind"] == "wrong"]
-    for kind, weight in zip(toy.WRONG_KINDS, toy._WRONG_WEIGHTS, strict=True):
+    for kind, weight in zip(toy.WRONG_KINDS, toy_wrong._WRONG_WEIGHTS, strict=True):
         assert wrong.count(kind) / len(wrong) == pytest.approx(weight, abs=0.02)
     # the well-formed wrong answer stays the most frequent
     assert max(toy.WRONG_KINDS, key=wrong.count) == "value"
@@ -276,7 +276,7 @@ def test_wrong_values_include_the_small_policys_own_errors(many_rows):
             assert {str(w) for w in expected if w >= 0} == set(inst.wrong), inst.key
     said_back = 0
     for row in many_rows:
-        family, inst = toy._lookup(row["prompt"])
+        family, inst = toy_grading._lookup(row["prompt"])
         own = parse(family, row["rejected"])
         if row["wrong_kind"] == "value" and own is not None and own[1] in inst.restated:
             said_back += 1
@@ -286,7 +286,7 @@ def test_wrong_values_include_the_small_policys_own_errors(many_rows):
 def test_wrong_kinds_have_the_property_they_claim(many_rows, test_rows):
     wrong_rows = [r for r in many_rows + test_rows if r["rejected_kind"] == "wrong"]
     for row in wrong_rows:
-        family, inst = toy._lookup(row["prompt"])
+        family, inst = toy_grading._lookup(row["prompt"])
         rejected, kind = row["rejected"], row["wrong_kind"]
         subjects = {subject_of(i): i for i in family.instances}
         own = parse(family, rejected)
@@ -389,7 +389,7 @@ def test_toy_corpus_states_train_facts():
 
 def test_prompts_are_unique_across_families():
     count = sum(len(f.instances) * len(f.questions) for f in toy.FAMILIES.values())
-    assert len(toy._prompt_index()) == count
+    assert len(toy_world._prompt_index()) == count
 
 
 # ------------------------------------------------------------------------------------------- gold check
@@ -513,7 +513,7 @@ def test_gold_check_cases(prompt, response, expected):
 
 
 def test_gold_check_accepts_exactly_the_sentence_and_the_value_for_every_prompt():
-    for question, (family, inst) in toy._prompt_index().items():
+    for question, (family, inst) in toy_world._prompt_index().items():
         prompt = toy.toy_prompt(question)
         sentence = family.sentence(inst)
         for good in (" " + sentence, sentence.rstrip("."), " " + inst.value, inst.value + "."):

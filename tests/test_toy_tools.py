@@ -10,7 +10,8 @@ from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.tasks import Episode, Grade, toy, toy_tools
 from rlhf.tasks.toy_tools import GENERATOR_VERSION, TASK
 
-COLUMNS = {"prompt", "response", "chosen", "rejected", "uses_tool", "rejected_kind"}
+SPANS = {"response_obs_spans", "chosen_obs_spans", "rejected_obs_spans"}
+COLUMNS = {"prompt", "response", "chosen", "rejected", "uses_tool", "rejected_kind", *SPANS}
 PROMPT = "\n\nHuman: What is 123 + 456?\n\nAssistant:"
 TOOL = " <call> 123 + 456</call> = 579 The answer is 579."
 

@@ -151,6 +151,18 @@ def test_the_run_gets_tags_the_nested_config_and_a_flat_overrides_entry(tmp_path
     t.close()
 
 
+def test_the_runs_wandb_config_is_the_resolved_one_with_its_model_file_keys(tmp_path, recorder):
+    from rlhf.config.resolve import ResolvedValues
+
+    calls, _ = recorder
+    config = ResolvedValues({"ppo": {"update": {"packing": True}}}, {"ppo.update.packing"})
+    t = tracker(tmp_path, SWEEP_JOB, config, job="ppo")
+    [(init,)] = of(calls, "init")
+    assert init["config"]["ppo"] == {"update": {"packing": True}}
+    assert init["config"]["from_model_files"] == ["ppo.update.packing"]
+    t.close()
+
+
 # --- 2. the headline metrics -------------------------------------------------------------------
 
 
@@ -453,6 +465,25 @@ def test_a_tensorboard_run_that_did_not_end_has_no_session_end(tmp_path):
     t._tensorboard.writer.close()
 
 
+def test_tensorboard_holds_the_resolved_config_as_text(tmp_path):
+    """The run's config as TensorBoard shows it: resolved.yaml, the model-file values marked."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhf.config.resolve import FROM_MODEL, ResolvedValues
+    from rlhf.tracking.tensorboard_run import CONFIG_TAG
+
+    config = ResolvedValues({"ppo": {"update": {"packing": True}}}, {"ppo.update.packing"})
+    t = Tracker(tmp_path, LoggerConfig(backend="tensorboard"), "ppo", "run", config, None, True,
+                None, ["seed=3"])  # fmt: skip
+    t.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    [tag] = [t for t in events.Tags()["tensors"] if t.startswith(CONFIG_TAG)]
+    [text] = events.Tensors(tag)
+    shown = text.tensor_proto.string_val[0].decode()
+    assert f"packing: true  {FROM_MODEL}" in shown and "    ppo:" in shown
+
+
 # --- 6. offline --------------------------------------------------------------------------------
 
 
@@ -617,8 +648,8 @@ def test_step_all_offline_leaves_the_pipeline_to_sync(tmp_path, cache_dir):
     """step=all with W&B offline: each step logs its exports, and each later step records the
     earlier ones as its inputs (reward <- SFT, PPO <- SFT and reward) for declare_inputs."""
     run_dir = tmp_path / "run"
-    small = ["reward.gold_eval_prompts=8", "ppo.max_new_tokens=16", "ppo.eval_prompts=8"]
-    batches = ["ppo.per_device_generation_batch_size=8", "ppo.per_device_training_batch_size=8"]
+    small = ["reward.gold_eval_prompts=8", "ppo.rollout.max_new_tokens=16", "ppo.eval.prompts=8"]
+    batches = ["ppo.rollout.per_device_batch_size=8", "ppo.update.per_device_batch_size=8"]
     fast = [o for o in FAST if not o.startswith("data.sources.toy.num_rows")]
     run_rlhf(
         ["step=all", "logger=wandb", "logger.mode=offline", "step.max_steps=2",

@@ -274,9 +274,13 @@ class _EngineDecoder:
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
 
-    def generate(self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None):
+    def generate(
+        self, prompts, sampling, seed=None, group_size=1, logprobs_temperature=None, max_new=None
+    ):
         pad, end = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        return self.engine.generate(prompts, pad, end, sampling, group_size=group_size)
+        return self.engine.generate(
+            prompts, pad, end, sampling, group_size=group_size, max_new=max_new
+        )
 
 
 class _Stops:
@@ -318,10 +322,10 @@ def test_greedy_episodes_equal_the_transformers_path(engine, actor, tokenizer):
     )
     ours = on_vllm.generate(prompts, sampling, logprobs_temperature=1.0)
     theirs = on_hf.generate(prompts, sampling, logprobs_temperature=1.0)
-    assert ours.episodes.turns.max() > 1
+    assert ours.record.turns.max() > 1
     assert torch.equal(ours.sequences, theirs.sequences)
     assert torch.equal(ours.attention_mask, theirs.attention_mask)
     assert torch.equal(ours.response_mask, theirs.response_mask)
-    assert torch.equal(ours.episodes.turns, theirs.episodes.turns)
+    assert torch.equal(ours.record.turns, theirs.record.turns)
     gap = (ours.logprobs - theirs.logprobs)[ours.response_mask].abs().max().item()
     assert gap < 1e-4

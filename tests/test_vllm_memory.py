@@ -72,17 +72,17 @@ def _spec(*overrides: str) -> tuple[EngineSpec, OPTForCausalLM]:
 
 def test_the_engine_is_sized_from_the_runs_rollout_batch_and_lengths():
     spec, actor = _spec(
-        "ppo.per_device_generation_batch_size=32",
-        "ppo.num_samples_per_prompt=4",
-        "ppo.max_new_tokens=160",
+        "ppo.rollout.per_device_batch_size=32",
+        "ppo.rollout.samples_per_prompt=4",
+        "ppo.rollout.max_new_tokens=160",
     )
     assert spec.max_model_len == 96 + 160
     # 128 rollout rows a generation batch (more than an evaluation batch's 64)
     assert spec.kv_cache_bytes == kv_cache_bytes(actor.config, "fp32", 128, 256)
     small, _ = _spec(
-        "ppo.per_device_generation_batch_size=4",
-        "ppo.per_device_training_batch_size=4",
-        "ppo.max_new_tokens=160",
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.update.per_device_batch_size=4",
+        "ppo.rollout.max_new_tokens=160",
     )
     assert small.kv_cache_bytes == kv_cache_bytes(actor.config, "fp32", 64, 256)
     # the default: sleeping at the level the GPU check has verified (the KV cache freed)
@@ -92,12 +92,14 @@ def test_the_engine_is_sized_from_the_runs_rollout_batch_and_lengths():
 
 def test_keys_override_the_sizes_and_the_sleep():
     spec, _ = _spec(
-        "ppo.vllm.kv_cache_gb=0.5", "ppo.vllm.gpu_memory_utilization=0.6", "ppo.vllm.sleep_level=2"
+        "ppo.rollout.vllm.kv_cache_gb=0.5",
+        "ppo.rollout.vllm.gpu_memory_utilization=0.6",
+        "ppo.rollout.vllm.sleep_level=2",
     )
     assert spec.kv_cache_bytes == GiB // 2
     assert spec.gpu_memory_utilization == 0.6
     assert spec.sleep_level == 2
-    assert _spec("ppo.vllm.sleep=false")[0].sleep_level == 0
+    assert _spec("ppo.rollout.vllm.sleep=false")[0].sleep_level == 0
 
 
 class FakeLLM:
@@ -157,12 +159,12 @@ def decoder_calls(tmp_path, model_dir, *overrides: str, sleep: bool = False) -> 
         *FAST,
         f"actor.model.path={model_dir}",
         f"critic.model.path={model_dir}",  # a causal LM: the critic gets a new value head
-        "ppo.reward_function=tests.test_critic_free:answer_length",
-        "ppo.per_device_generation_batch_size=4",
-        "ppo.generation_batches=2",  # two generation batches, one release after both
-        "ppo.per_device_training_batch_size=8",
-        "ppo.max_new_tokens=8",
-        "ppo.eval_prompts=4",
+        "ppo.reward.function=tests.test_critic_free:answer_length",
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.rollout.batches=2",  # two generation batches, one release after both
+        "ppo.update.per_device_batch_size=8",
+        "ppo.rollout.max_new_tokens=8",
+        "ppo.eval.prompts=4",
         "step.max_steps=2",
         f"hydra.run.dir={tmp_path / 'run'}",
         *overrides,
@@ -184,14 +186,20 @@ def assert_released_for_every_update(calls: list[str], iterations: int) -> None:
             assert calls[i - 2 : i] == ["generate", "generate"], calls
 
 
-def test_the_decoder_is_released_for_every_update_and_synced_after(tmp_path, tiny_lm_dir):
+def test_the_hf_decoder_decodes_with_the_actors_weights_and_is_never_synced(tmp_path, tiny_lm_dir):
+    """The hf path holds no weights of its own (rlhf.rl.rollouts.HoldsWeights is vLLM's): no
+    release or push around an update, which follows its rollout's two generation batches
+    (vLLM's order: tests/test_vllm_ppo.py)."""
     calls = decoder_calls(tmp_path, tiny_lm_dir, *cache_overrides(tmp_path / "cache"))
-    assert calls[0] == "sync"  # the initial (or resumed) weights, before the first evaluation
-    assert_released_for_every_update(calls, iterations=2)
+    assert "release" not in calls and "sync" not in calls, calls
+    assert calls.count("update") == 2, calls
+    for i, call in enumerate(calls):
+        if call == "update":
+            assert calls[i - 2 : i] == ["generate", "generate"], calls
 
 
 def test_the_install_script_installs_the_vllm_version_the_engine_is_tested_with():
-    from rlhf.rl.vllm_engine import INSTALL_HINT, TESTED_VLLM_VERSION
+    from rlhf.runtime.vllm_install import INSTALL_HINT, TESTED_VLLM_VERSION
 
     script = (REPO / "scripts" / "install_vllm.sh").read_text()
     assert f"VLLM_VERSION={TESTED_VLLM_VERSION} " in script

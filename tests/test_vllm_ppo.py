@@ -1,4 +1,4 @@
-"""PPO and the critic-free estimators with rollouts on vLLM (ppo.rollout_engine=vllm), end to
+"""PPO and the critic-free estimators with rollouts on vLLM (ppo.rollout.engine=vllm), end to
 end on a reduced embedded default: the engine is given the actor's weights after every update
 (its log-probs then equal the trainer's in fp32, iteration after iteration), the correction is
 logged, groups come from vLLM's n and ReMax's baseline from its greedy decoding, a run killed
@@ -40,13 +40,13 @@ def _ppo(sft, cache_dir, *overrides) -> list[str]:
         *SMALL,
         f"actor.model.path={sft}",
         f"critic.model.path={sft}",  # a causal LM: the critic gets a new value head
-        "ppo.reward_function=tests.test_critic_free:answer_length",
-        "ppo.per_device_generation_batch_size=8",
-        "ppo.per_device_training_batch_size=8",
-        "ppo.max_new_tokens=16",
-        "ppo.eval_prompts=8",
-        "ppo.rollout_engine=vllm",
-        "ppo.logprob_gap_interval=1",
+        "ppo.reward.function=tests.test_critic_free:answer_length",
+        "ppo.rollout.per_device_batch_size=8",
+        "ppo.update.per_device_batch_size=8",
+        "ppo.rollout.max_new_tokens=16",
+        "ppo.eval.prompts=8",
+        "ppo.rollout.engine=vllm",
+        "ppo.rollout.logprob_gap_interval=1",
         "step.log_interval=1",
         *overrides,
         *cache_overrides(cache_dir),
@@ -75,14 +75,21 @@ def test_ppo_pushes_the_weights_after_every_update(sft, cache_dir, tmp_path):
 @pytest.mark.parametrize(
     "estimator",
     [
-        ["ppo.advantage_estimator=grpo", "ppo.num_samples_per_prompt=4"],
-        ["ppo.advantage_estimator=remax"],
+        ["ppo.advantage.estimator=grpo", "ppo.rollout.samples_per_prompt=4"],
+        ["ppo.advantage.estimator=remax"],
     ],
     ids=["grpo", "remax"],
 )
 def test_critic_free_estimators_sample_on_vllm(estimator, sft, cache_dir, tmp_path):
     run_rlhf(
-        _ppo(sft, cache_dir, "step.max_steps=2", "ppo.top_k=20", "ppo.top_p=0.9", *estimator),
+        _ppo(
+            sft,
+            cache_dir,
+            "step.max_steps=2",
+            "ppo.rollout.top_k=20",
+            "ppo.rollout.top_p=0.9",
+            *estimator,
+        ),
         tmp_path,
         extra_env=ONE_THREAD,
     )
@@ -134,8 +141,8 @@ def test_the_engine_sleeps_through_every_update_and_wakes_to_the_pushed_weights(
     calls = decoder_calls(
         tmp_path,
         tiny_lm_dir,
-        "ppo.rollout_engine=vllm",
-        "ppo.logprob_gap_interval=1",
+        "ppo.rollout.engine=vllm",
+        "ppo.rollout.logprob_gap_interval=1",
         "step.log_interval=1",
         *cache_overrides(cache_dir),
         sleep=True,

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoraConfig
-from rlhf.modeling.loading import apply_lora
+from rlhf.modeling.peft_lora import apply_lora
 from rlhf.rl.weight_sync import hf_weights
 from tests.conftest import REPO, _free_port
 

@@ -66,7 +66,7 @@ def main() -> None:
     )
 
     assert rollout.sequences.shape[0] == 6, rollout.sequences.shape  # no episode dropped
-    turns = rollout.episodes.turns
+    turns = rollout.record.turns
     assert turns.max().item() <= want_turns, turns
     if rank() == 1:
         assert turns.max().item() > 1, turns  # rank 1 generated after rank 0 had finished

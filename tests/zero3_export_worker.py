@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
-from rlhf.modeling.loading import export_pretrained, full_state_dict
+from rlhf.modeling.export import export_pretrained, full_state_dict
 from rlhf.runtime.dist import init_distributed, rank
 
 

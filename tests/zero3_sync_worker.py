@@ -15,7 +15,7 @@ from rank_report import report  # tests/, the script's own directory
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.config import LoraConfig
-from rlhf.modeling.loading import apply_lora
+from rlhf.modeling.peft_lora import apply_lora
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights

@@ -11,7 +11,8 @@ failing job (FAILED, the others go on, exit status 1 at the end). The defaults f
 partition (no GPU asked for, one task a node, SLURM's default CPUs, memory and time limit);
 ``gpus_per_node=G`` runs G tasks a node. Jobs requeue themselves at the time limit (up to
 ``max_num_timeout`` times) and at preemption, and resume from their checkpoint. The mechanics
-live in :mod:`rlhf.tools.slurm`. No ``from __future__ import annotations``: see rlhf_launcher.py.
+live in :mod:`rlhf.tools.slurm` (and, inside the job, :mod:`rlhf.tools.slurm_task`). No
+``from __future__ import annotations``: see rlhf_launcher.py.
 """
 
 import logging
@@ -27,7 +28,7 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.rlhf_launcher.rlhf_launcher import PreparedJob, RlhfLauncher
 from rlhf.tools import launcher as mechanics
-from rlhf.tools import slurm
+from rlhf.tools import slurm, slurm_task
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class SlurmLauncher(RlhfLauncher):
 
     def _submit(self, jobs: list[PreparedJob], sbatch: dict[str, Any]) -> list[slurm.Submitted]:
         tasks = [
-            slurm.SlurmTask(
+            slurm_task.SlurmTask(
                 cmd=job.command,
                 job_dir=str(job.job_dir),
                 record={**job.record, "launcher": "slurm"},

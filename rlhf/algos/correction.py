@@ -1,4 +1,4 @@
-"""The sampler / trainer mismatch correction of the policy-gradient loss (ppo.rollout_correction):
+"""The sampler / trainer mismatch correction of the policy-gradient loss (ppo.rollout.correction):
 rollouts drawn by another engine (vLLM's kernels, bf16) come from pi_sampler, not the trainer's
 pi_old; each mode weights or masks the answer tokens by their ratio pi_old / pi_sampler."""
 

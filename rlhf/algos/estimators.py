@@ -21,7 +21,7 @@ class AdvantageInputs(NamedTuple):
     ``group_size`` contiguous rows answering one prompt; answers masked out of the losses
     (response_mask all False) stay out of their group's statistics.
 
-    rewards: (B, R) -kl_coef x the per-token KL (none with ppo.kl_in_loss), plus the outcome at
+    rewards: (B, R) -kl_coef x the per-token KL (none with ppo.kl.in_loss), plus the outcome at
         each answer's last real token.
     outcomes: (B,) what that last token received: the score, clipped, less its penalties.
     values: (B, R) the critic's value of the state before each token (0 without a critic).
@@ -43,7 +43,7 @@ class AdvantageParams:
 
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE's lambda
-    group_size: int = 1  # answers per prompt (ppo.num_samples_per_prompt)
+    group_size: int = 1  # answers per prompt (ppo.rollout.samples_per_prompt)
     std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
 
 

@@ -168,7 +168,7 @@ def kl_loss(
     ref_logits: Tensor | None = None,
     max_tokens: int | None = None,
 ) -> Tensor:
-    """The KL to the reference as a loss term (GRPO's; ppo.kl_in_loss): per real token
+    """The KL to the reference as a loss term (GRPO's; ppo.kl.in_loss): per real token
     :func:`per_token_kl` of the current policy's log-probs (with grad) against the reference's,
     or for an estimator with ``needs_logits`` (full) of the (B, T, V) ``logits`` (with grad)
     against ``ref_logits``, whose gradient reaches every token of the vocabulary, not only the

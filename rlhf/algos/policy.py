@@ -22,7 +22,7 @@ def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, response_mask: Tenso
 
 def approx_kl(log_ratio: Tensor, response_mask: Tensor) -> Tensor:
     """Mean over real tokens of k3 = (r - 1) - log r: KL(old || new), unbiased and >= 0; how far
-    an update moved the policy (ppo.target_kl reads it). log_ratio: (B, T). Scalar, detached."""
+    an update moved the policy (ppo.update.target_kl reads it). log_ratio: (B, T). Scalar, detached."""
     return masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask).detach()
 
 

@@ -1,7 +1,8 @@
 """Losses on preferences between answers to one prompt: the reward model's (Bradley-Terry,
 InstructGPT's K-wise, regression, DeepSpeed-Chat's divergence span, on the scores it reads
 from per-token values) and DPO's family (DPO / cDPO, IPO, SLiC's hinge, SimPO) on (B,)
-log-ratios."""
+log-ratios; and the per-pair terms DPO logs (loss, implicit rewards, log-probs), in training and
+held out."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf.algos.logits import sequence_logprobs
 from rlhf.algos.reductions import (
     clean,
     first_true_index,
@@ -16,6 +18,7 @@ from rlhf.algos.reductions import (
     last_true_value,
     masked_mean,
 )
+from rlhf.config import DPOConfig
 
 
 def sequence_scores(
@@ -23,7 +26,8 @@ def sequence_scores(
 ) -> Tensor:
     """One reward per sequence from per-token values (B, T): "last" reads the last real token (the
     end-of-text the data appends; found from the attention mask, so left or right padding and a BOS
-    that equals the pad id do not move it); "mean" averages over response_mask (B, T)."""
+    that equals the pad id do not move it); "mean" averages over response_mask (B, T), the answer
+    tokens the model wrote (``pair_batch`` leaves an environment's observation tokens out)."""
     if position == "last":
         return last_true_value(values, attention_mask)
     if position == "mean":
@@ -170,3 +174,61 @@ PREFERENCE_LOSSES = {
     "simpo": simpo_loss,
 }
 REFERENCE_FREE = ("simpo",)
+
+
+# per-pair statistics of a preference loss: dpo/<name> in training, eval/<name> held out
+PREFERENCE_STATS = (
+    "loss",
+    "accuracy",  # implicit-reward accuracy: the chosen answer's reward above the rejected one's
+    "margin",  # chosen - rejected implicit reward
+    "chosen_reward",  # beta x the chosen answer's log-ratio (simpo: its mean log-prob)
+    "rejected_reward",
+    "chosen_logprob",  # the policy's log-prob of the answer (dpo.reduction: summed or per token)
+    "rejected_logprob",
+)
+
+
+def answer_logprobs(model, batch: dict, reduction: str, fp32: bool = False) -> torch.Tensor:
+    """(2B,) log-probs of a ``pair_batch``'s answers (chosen rows first) under ``model``, a
+    DeepSpeed engine or a plain module, from one forward pass over both answers."""
+    device = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(device)
+    logits = model(
+        input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False
+    ).logits
+    response_mask = batch["response_mask"].to(device)
+    return sequence_logprobs(
+        logits.float() if fp32 else logits, input_ids, response_mask, reduction
+    )
+
+
+def preference_terms(
+    dpo: DPOConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Each PREFERENCE_STATS entry per pair, (B,), from the policy's (2B,) answer log-probs and
+    the reference's (None: a reference-free loss). Only ``loss`` carries gradients."""
+    ratios = logprobs if ref_logprobs is None else logprobs - ref_logprobs
+    chosen, rejected = ratios.chunk(2)
+    loss = PREFERENCE_LOSSES[dpo.loss](chosen, rejected, dpo.beta, dpo.label_smoothing, dpo.margin)
+    chosen_reward, rejected_reward = dpo.beta * chosen.detach(), dpo.beta * rejected.detach()
+    chosen_logprob, rejected_logprob = logprobs.detach().chunk(2)
+    return {
+        "loss": loss,
+        "accuracy": (chosen_reward > rejected_reward).float(),
+        "margin": chosen_reward - rejected_reward,
+        "chosen_reward": chosen_reward,
+        "rejected_reward": rejected_reward,
+        "chosen_logprob": chosen_logprob,
+        "rejected_logprob": rejected_logprob,
+    }
+
+
+def preference_sums(
+    terms: dict[str, torch.Tensor], keep: torch.Tensor | None = None
+) -> list[float]:
+    """[pairs, then each PREFERENCE_STATS entry summed over the pairs ``keep`` marks (default:
+    all)] (summed over ranks by :func:`preference_metrics`)."""
+    if keep is None:
+        keep = torch.ones_like(terms["loss"], dtype=torch.bool)
+    keep = keep.to(terms["loss"].device)
+    return [float(keep.sum())] + [terms[k].detach()[keep].sum().item() for k in PREFERENCE_STATS]

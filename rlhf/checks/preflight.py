@@ -85,8 +85,20 @@ def check_yaml_file(path: Path) -> None:
         # under whatever package the file lands (actor: {twin_path: ...} in a _global_ file),
         # or as a sweep's axis (hydra.sweeper.params: {critic.offload_twin: ...})
         old = next((o for o in RENAMED_KEYS if key == o or key.endswith("." + o)), None)
-        if old is not None:
+        # a key that became a section of its name (ppo.ema -> ppo.ema.enabled) is the section
+        # where it holds a mapping
+        became_section = old is not None and RENAMED_KEYS[old].startswith(old + ".")
+        if old is not None and not (became_section and isinstance(_at(content, key), dict)):
             raise ConfigError(f"{path}: {key}: {unknown_key(old)}")
+
+
+def _at(node, key: str):
+    """The value at the dotted ``key`` of a parsed YAML mapping (None: a name with a dot)."""
+    for name in key.split("."):
+        if not isinstance(node, dict) or name not in node:
+            return None
+        node = node[name]
+    return node
 
 
 def _dotted_keys(node, prefix: str = "") -> list[str]:

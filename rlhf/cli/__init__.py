@@ -1,2 +1,3 @@
-"""The command-line front: the run entry point, --help, and the user's other commands (chat,
-compare, evaluate)."""
+"""The command-line front: what ``python -m rlhf`` does before Hydra (compose, ranks) and once
+it has composed the config (run), how it refuses (refuse), --help, and the user's other commands
+(chat, compare, evaluate)."""

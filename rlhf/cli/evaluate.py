@@ -93,8 +93,8 @@ def evaluate_reward(cfg, path: str, batch_size: int | None = None) -> dict[str, 
     import transformers
 
     from rlhf.data.prepare import phase_dataset
-    from rlhf.evaluators.held_out import scored_pairs
     from rlhf.evaluators.pair_metrics import pair_metrics
+    from rlhf.evaluators.pair_scores import scored_pairs
     from rlhf.modeling.loading import end_of_text_id, load_tokenizer, read_stats
 
     transformers.logging.set_verbosity_error()
@@ -152,17 +152,17 @@ REWARD_EXPORTS = ("reward/model", "model")
 def check_reward_export(cfg, path: str) -> None:
     """--path is a reward model: not a run dir (its exports are named), not a causal LM (the
     check PPO's reward model gets), not a classifier of several labels."""
-    from rlhf.checks import validate
+    from rlhf.checks import model_dirs
     from rlhf.config import ConfigError
     from rlhf.modeling.loading import model_config
 
     if Path(path).expanduser().is_dir():
-        config_json = validate.read_model_config("--path", path)
+        config_json = model_dirs.read_model_config("--path", path)
         if config_json is None:
             raise ConfigError(not_an_export_problem(path))
         need = "rlhf.cli.evaluate reward scores answers with it: give a reward export (RUN/reward/model)"
-        check = validate.ModelToCheck("--path", path, validate.REWARD, None, need)
-        problem = validate.causal_lm_as_reward_problem(check, config_json)
+        check = model_dirs.ModelToCheck("--path", path, model_dirs.REWARD, None, need)
+        problem = model_dirs.causal_lm_as_reward_problem(check, config_json)
         if problem:
             raise ConfigError(problem)
     labels = model_config(cfg.model, path).num_labels
@@ -173,7 +173,7 @@ def check_reward_export(cfg, path: str) -> None:
 def not_an_export_problem(path: str) -> str:
     """A directory without config.json: a run dir (naming the reward exports in it), or not a
     model at all."""
-    from rlhf.checks.validate import missing_config_problem
+    from rlhf.checks.model_dirs import missing_config_problem
 
     run = Path(path)
     exports = [run / e for e in REWARD_EXPORTS if _is_reward_model(run / e)]
@@ -193,7 +193,7 @@ def not_an_export_problem(path: str) -> str:
 
 
 def _is_reward_model(export: Path) -> bool:
-    from rlhf.checks.validate import read_model_config
+    from rlhf.checks.model_dirs import read_model_config
 
     if not (export / "config.json").is_file():
         return False

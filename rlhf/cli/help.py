@@ -77,6 +77,9 @@ def keys(node: type = schema.Config, prefix: str = "") -> list[tuple[str, type, 
 
 
 def section_of(key: str) -> str:
+    """A key's heading: its top-level section; PPO's keys their own (ppo.loss, ppo.rollout.vllm)."""
+    if key.startswith("ppo."):
+        return key.rsplit(".", 1)[0]
     return key.split(".")[0] if "." in key else "(top level)"
 
 
@@ -159,7 +162,7 @@ def text(composed: dict[str, Any], groups: str, filters: list[str] = (), width: 
     out += [
         "",
         "The same as a table: docs/config.md. The composed config: python -m rlhf --cfg job.",
-        "Only some keys: python -m rlhf --help PREFIX (ppo, actor.optim, lr ...).",
+        "Only some keys: python -m rlhf --help PREFIX (ppo, ppo.loss, actor.optim, lr ...).",
         "Hydra's own options: python -m rlhf --hydra-help.",
     ]
     return "\n".join(out)

@@ -15,7 +15,8 @@ values, an experiment). The comment on or above each field is its meaning, shown
 The package mirrors ``conf/``: one module per config group (step, model, data, zero, lora,
 optim, logger, ppo, dpo, pipeline, ...), each holding that section's dataclass and its checks;
 ``root`` the top-level Config, ``schema`` registration, :func:`to_config` and the unknown-key
-checks. Every name is re-exported here: ``from rlhf.config import ...`` as before.
+checks; PPO's sections (ppo.rollout, ppo.loss, ...) are in ``ppo_rollout`` and
+``ppo_sections``. Every name is re-exported here: ``from rlhf.config import ...`` as before.
 """
 
 from __future__ import annotations
@@ -36,7 +37,18 @@ from rlhf.config.model import (
 from rlhf.config.multi_turn import MultiTurnConfig
 from rlhf.config.optim import SCHEDULERS, OptimConfig, RoleOptimConfig
 from rlhf.config.pipeline import NOT_READ_BY, PIPELINES, PipelineConfig
-from rlhf.config.ppo import GENERATION_CACHES, ROLLOUT_ENGINES, PPOConfig
+from rlhf.config.ppo import FLAT_KEYS, GENERATION_CACHES, ROLLOUT_ENGINES, PPOConfig, nest_flat
+from rlhf.config.ppo_rollout import PPORolloutConfig
+from rlhf.config.ppo_sections import (
+    PPOAdvantageConfig,
+    PPOEMAConfig,
+    PPOEvalConfig,
+    PPOKLConfig,
+    PPOLossConfig,
+    PPOPTXConfig,
+    PPORewardConfig,
+    PPOUpdateConfig,
+)
 from rlhf.config.reward import REWARD_LOSSES, SCORE_POSITIONS, SHARED_PROMPT_LOSSES, RewardConfig
 from rlhf.config.roles import ActorConfig, CriticConfig, RoleConfig
 from rlhf.config.root import Config, DebugConfig
@@ -60,6 +72,7 @@ __all__ = [
     "ATTENTIONS",
     "DPO_LOSSES",
     "DTYPES",
+    "FLAT_KEYS",
     "GENERATION_CACHES",
     "LOGGER_BACKENDS",
     "LOGPROB_REDUCTIONS",
@@ -89,7 +102,16 @@ __all__ = [
     "ModelConfig",
     "MultiTurnConfig",
     "OptimConfig",
+    "PPOAdvantageConfig",
     "PPOConfig",
+    "PPOEMAConfig",
+    "PPOEvalConfig",
+    "PPOKLConfig",
+    "PPOLossConfig",
+    "PPOPTXConfig",
+    "PPORewardConfig",
+    "PPORolloutConfig",
+    "PPOUpdateConfig",
     "PipelineConfig",
     "RewardConfig",
     "RoleConfig",
@@ -101,6 +123,7 @@ __all__ = [
     "ZeroConfig",
     "collect_problems",
     "interpolated_keys",
+    "nest_flat",
     "problem_message",
     "register_configs",
     "schema_keys",

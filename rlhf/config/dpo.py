@@ -14,7 +14,7 @@ class DPOConfig:
     """step=dpo: the SFT export (model.path) trained on the reward phase's preference pairs
     against a frozen copy of itself, the reference (simpo needs none). Batches, epochs and the
     optimizer are optim's. Held-out answers are drawn as PPO's evaluation draws them
-    (ppo.eval_prompts, eval_samples, eval_greedy, temperature, top_p, top_k, max_new_tokens,
+    (ppo.eval.prompts, eval_samples, eval_greedy, temperature, top_p, top_k, max_new_tokens,
     kl_estimator, on the PPO phase's held-out prompts), so both report eval/gold_accuracy and
     eval/kl alike."""
 

@@ -1,5 +1,5 @@
-"""``ppo.multi_turn``: the bounds of an episode on a task with an environment, and of how long
-a failing environment may go on failing."""
+"""``ppo.rollout.multi_turn``: the bounds of an episode on a task with an environment, and of
+how long a failing environment may go on failing."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# the pipelines step=all runs (an algo=... option picks one); with ppo.reward_function set no
+# the pipelines step=all runs (an algo=... option picks one); with ppo.reward.function set no
 # reward model is trained, so sft -> reward -> ppo runs as sft -> ppo
 PIPELINES = (("sft", "reward", "ppo"), ("sft", "dpo"))
 # the sections the steps a pipeline can share (pipeline.share_dir) never read: two runs whose

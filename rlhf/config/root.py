@@ -65,11 +65,13 @@ class Config:
             out.append(("device", self.device, "one of auto, cpu, cuda"))
         if self.resume not in ("auto", "never", "force"):
             out.append(("resume", self.resume, "auto, never or force"))
-        unknown = [name for name in self.ppo.prompt_sources if name not in self.data.sources]
+        unknown = [
+            name for name in self.ppo.rollout.prompt_sources if name not in self.data.sources
+        ]
         if unknown:
             out.append(
                 (
-                    "ppo.prompt_sources",
+                    "ppo.rollout.prompt_sources",
                     unknown,
                     f"names from data.sources: {', '.join(self.data.sources)}",
                 )

@@ -13,7 +13,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.errors import ConfigError
+from rlhf.config.multi_turn import MultiTurnConfig
+from rlhf.config.ppo import FLAT_KEYS
 from rlhf.config.root import Config
+from rlhf.config.vllm import VLLMConfig
 
 
 def register_configs() -> None:
@@ -114,6 +117,21 @@ RENAMED_KEYS = {
     "critic.twin_path": "critic.reward_model_path",
     "critic.offload_twin": "critic.offload_reward_model",
 }
+
+
+def _ppo_renames() -> dict[str, str]:
+    """PPO's flat keys -> their section's key (kl_coef -> kl.coef), and each key of the two
+    sections that moved whole under the rollout's (vllm.sleep -> rollout.vllm.sleep), so a
+    checkpoint's flattened config translates key by key."""
+    out = {f"ppo.{old}": f"ppo.{new}" for old, new in FLAT_KEYS.items()}
+    for name, cls in (("vllm", VLLMConfig), ("multi_turn", MultiTurnConfig)):
+        out |= {
+            f"ppo.{name}.{f.name}": f"ppo.rollout.{name}.{f.name}" for f in dataclasses.fields(cls)
+        }
+    return out
+
+
+RENAMED_KEYS |= _ppo_renames()
 
 
 def unknown_key(key: str) -> str | None:

@@ -17,7 +17,7 @@ It holds in two layers:
   line sets the role's key too, so ``-m zero.offload=false,true`` moves the actor's and the
   critic's offload in every job, whatever an experiment or a step file set for them.
 
-``python -m rlhf --cfg job`` shows the result (rlhf/__main__.py applies the same function).
+``python -m rlhf --cfg job`` shows the result (rlhf/cli/compose.py applies the same function).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ OWN_MODEL_KEYS = ("name", "path", "init", "init_seed", "tokenizer", "dropout")
 # exports, never builds) are let pass, as every step takes the same command line
 REFUSED_MODEL_KEYS = ("path", "tokenizer", "dropout")
 # what step=ppo reads instead of the top-level optim keys its models have no place for
-PPO_BATCH_KEYS = "ppo.epochs, ppo.per_device_training_batch_size, ppo.grad_accum"
+PPO_BATCH_KEYS = "ppo.update.prompt_epochs, ppo.update.per_device_batch_size, ppo.update.grad_accum"
 
 
 def _field_names(cls: type, group: str) -> list[str]:
@@ -120,8 +120,8 @@ def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
 
 def pipeline_steps(composed: dict) -> list[str]:
     """The steps step=all runs for a composed (resolved) config: pipeline.steps, less the reward
-    model's when ppo.reward_function replaces it (rlhf.steps.all.pipeline)."""
-    rule = composed["ppo"]["reward_function"] is not None
+    model's when ppo.reward.function replaces it (rlhf.steps.all.pipeline)."""
+    rule = composed["ppo"]["reward"]["function"] is not None
     return [s for s in composed["pipeline"]["steps"] if s != "reward" or not rule]
 
 

@@ -1,4 +1,4 @@
-"""``ppo.vllm``: the colocated vLLM engine's bounds."""
+"""``ppo.rollout.vllm``: the colocated vLLM engine's bounds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ VERIFIED_SLEEP_LEVEL = 1
 
 @dataclass
 class VLLMConfig:
-    """ppo.rollout_engine=vllm: the colocated engine's bounds (docs/vllm.md)."""
+    """ppo.rollout.engine=vllm: the colocated engine's bounds (docs/vllm.md)."""
 
     # the KV cache in GiB; null: sized to hold every row a rank decodes at once (a generation
     # batch's rollouts, an evaluation batch) at prompt + answer tokens

@@ -42,18 +42,35 @@ def demonstration(row: dict) -> list[int]:
     return row.get("response_ids") or row["chosen_ids"]
 
 
+def demonstration_obs(row: dict) -> list[int] | None:
+    """The observation mask of :func:`demonstration` (1: a token an environment wrote), None
+    for a row without observations (every row of a single-turn source)."""
+    column = "response_obs_mask" if row.get("response_ids") else "chosen_obs_mask"
+    return row.get(column) or None
+
+
 def sft_batch(
     rows: list[dict], pad_id: int, loss_on_prompt: bool, pad_to: int | None = None
 ) -> dict[str, torch.Tensor]:
     """prompt + demonstration (+ end-of-text). ``labels`` hold the token ids where the loss
-    counts and IGNORE_INDEX elsewhere: padding never counts, the prompt only with loss_on_prompt."""
+    counts and IGNORE_INDEX elsewhere: padding never counts, the prompt only with loss_on_prompt,
+    an environment's observation tokens never (the model did not write them)."""
     seqs = [r["prompt_ids"] + demonstration(r) for r in rows]
     input_ids, attention_mask = right_pad(seqs, pad_id, pad_to)
     labels = torch.where(attention_mask.bool(), input_ids, IGNORE_INDEX)
-    if not loss_on_prompt:
-        for i, r in enumerate(rows):
+    for i, r in enumerate(rows):
+        if not loss_on_prompt:
             labels[i, : len(r["prompt_ids"])] = IGNORE_INDEX
+        ignore_observations(labels[i], len(r["prompt_ids"]), demonstration_obs(r))
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def ignore_observations(labels: torch.Tensor, start: int, obs_mask: list[int] | None) -> None:
+    """Set ``labels`` (T,) to IGNORE_INDEX, in place, on the observation tokens of the answer
+    that begins at column ``start`` (``obs_mask``: 1 per observed answer token; None: none)."""
+    if obs_mask:
+        observed = torch.tensor(obs_mask, dtype=torch.bool)
+        labels[start : start + len(obs_mask)][observed] = IGNORE_INDEX
 
 
 def count_targets(labels: torch.Tensor) -> int:
@@ -63,11 +80,20 @@ def count_targets(labels: torch.Tensor) -> int:
 
 def pair_batch(rows: list[dict], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
     """B pairs -> 2B right-padded sequences, chosen first then rejected (DeepSpeed-Chat's layout),
-    with ``response_mask`` True on answer tokens."""
+    with ``response_mask`` True on answer tokens the model wrote (an environment's observation
+    tokens, ``*_obs_mask``, are not)."""
     seqs = [r["prompt_ids"] + r["chosen_ids"] for r in rows]
     seqs += [r["prompt_ids"] + r["rejected_ids"] for r in rows]
     prompt_lens = [len(r["prompt_ids"]) for r in rows] * 2
-    return _with_response_mask(seqs, prompt_lens, pad_id, pad_to)
+    observed = [r.get(column) for column in ("chosen_obs_mask", "rejected_obs_mask") for r in rows]
+    batch = _with_response_mask(seqs, prompt_lens, pad_id, pad_to)
+    for i, obs_mask in enumerate(observed):
+        if obs_mask:  # an environment's tokens: in no log-ratio or mean score
+            start = prompt_lens[i]
+            batch["response_mask"][i, start : start + len(obs_mask)] &= ~torch.tensor(
+                obs_mask, dtype=torch.bool
+            )
+    return batch
 
 
 def ranked_batch(

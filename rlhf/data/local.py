@@ -100,9 +100,38 @@ def _is_saved(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in (_SAVED_TABLE, _SAVED_SPLITS))
 
 
+def stamp(path: str | None) -> list | None:
+    """The names, sizes and modification times of a local copy's files (a directory's, walked),
+    by which a changed copy is told from the one seen before; None for no such path (a hub id)."""
+    if path is None or not os.path.exists(os.path.expanduser(path)):
+        return None
+    path = os.path.expanduser(path)
+    files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).rglob("*"))
+    # datasets' own cache files in a saved dataset's folder (written by older versions) are
+    # not the data
+    files = [f for f in files if f.is_file() and not f.name.startswith("cache-")]
+    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+# splits() by path and stamp: loading asks for each split and phase
+_SPLITS: dict[str, tuple[str, ...] | None] = {}
+
+
 def splits(path: str) -> tuple[str, ...] | None:
     """The named splits a usable local copy has; None for one table (a file, a saved Dataset).
-    Fast: reads file names and a saved DatasetDict's index, not the data."""
+    Fast: reads file names and a saved DatasetDict's index, not the data; kept until the
+    copy's files change (:func:`stamp`)."""
+    if not os.path.isdir(os.path.expanduser(path)):
+        return None
+    key = json.dumps([os.path.abspath(os.path.expanduser(path)), stamp(path)])
+    if key not in _SPLITS:
+        if len(_SPLITS) >= 64:
+            _SPLITS.clear()
+        _SPLITS[key] = _read_splits(path)
+    return _SPLITS[key]
+
+
+def _read_splits(path: str) -> tuple[str, ...] | None:
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         return None

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.data.collate import IGNORE_INDEX, demonstration, pair_batch
+from rlhf.data.collate import (
+    IGNORE_INDEX,
+    demonstration,
+    demonstration_obs,
+    ignore_observations,
+    pair_batch,
+)
 
 
 def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -34,8 +40,8 @@ def packed_sft_batch(
     Each row restarts its ``position_ids`` at 0 and carries its own ``segment_ids`` (-1 on
     padding), from which ``model_inputs`` builds a block-diagonal causal mask, so no token sees
     another row. ``labels`` hold exactly the unpacked targets: a row's first token is never one
-    (it would be predicted from the previous row). ``attention_mask`` stays 2D, 1 on real tokens
-    (for counting)."""
+    (it would be predicted from the previous row), nor an observation token. ``attention_mask``
+    stays 2D, 1 on real tokens (for counting)."""
     bins = pack_bins([len(r["prompt_ids"]) + len(demonstration(r)) for r in rows], capacity)
     return packed_batch(rows, bins, pad_id, loss_on_prompt, pad_to)
 
@@ -86,6 +92,8 @@ def packed_batch(
             first = offset + max(1, 0 if loss_on_prompt else len(rows[i]["prompt_ids"]))
             input_ids[k, offset:end] = ids
             labels[k, first:end] = input_ids[k, first:end]
+            answer_start = offset + len(rows[i]["prompt_ids"])
+            ignore_observations(labels[k], answer_start, demonstration_obs(rows[i]))
             segment_ids[k, offset:end] = segment
             position_ids[k, offset:end] = torch.arange(len(ids))
             offset = end

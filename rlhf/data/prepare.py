@@ -4,9 +4,10 @@ Every phase uses the same tokenised form, so the reward model sees exactly the t
 PPO will score: ``prompt_ids`` (BOS + prompt, left-truncated to max_prompt_len) and the answers
 ``chosen_ids`` / ``rejected_ids`` (answer tokens + end-of-text, cut so prompt + answer fit in
 max_seq_len), and ``response_ids``, the demonstration SFT imitates, when a source has one that
-differs from the chosen answer (a task's uneven demonstrations). Prompt and answer are tokenised
-separately, because PPO generates after the prompt's own tokens and the reward model must see
-that same split.
+differs from the chosen answer (a task's uneven demonstrations). An environment's rows add
+``chosen_obs_mask`` (etc.), 1 on its observations' tokens (:mod:`rlhf.data.observed_tokens`).
+Prompt and answer are tokenised separately, because PPO generates after the prompt's own
+tokens and the reward model must see that same split.
 
 The cache lives under ``data.cache_dir`` only, never beside a user's data. Rank 0 computes its
 key (the local files' stamps and a hash of the rows a task generates included) and sends it to
@@ -35,6 +36,8 @@ import datasets
 
 from rlhf import tasks
 from rlhf.config import ConfigError, DataConfig
+from rlhf.data import local
+from rlhf.data.observed_tokens import ANSWERS, answer_masks, mask_column, spans_column
 from rlhf.data.sources import (
     SKIP_REASON,
     SourceError,
@@ -52,7 +55,7 @@ from rlhf.runtime.files import publish_dir
 log = logging.getLogger(__name__)
 
 PHASES = ("sft", "reward", "ppo")
-FORMAT_VERSION = 3  # bump when the tokenised layout changes
+FORMAT_VERSION = 4  # bump when the tokenised layout changes (4: observation masks)
 _SOURCE = "_source"  # temporary column: which source a row came from, for messages
 TASK = "task"  # the task whose checker grades answers to the row's prompt ("": none)
 SOURCE = "source"  # the data.sources entry a row came from (a reward model's accuracy per source)
@@ -151,13 +154,7 @@ def generator_version(source) -> int | None:
 
 def _file_stamp(path: str | None) -> list | None:
     """Size and mtime of a local source's files, so an edited file is tokenised again."""
-    if path is None or not os.path.exists(path):
-        return None
-    files = [Path(path)] if os.path.isfile(path) else sorted(Path(path).rglob("*"))
-    # datasets' own cache files in a saved dataset's folder (written by older versions) are
-    # not the data
-    files = [f for f in files if f.is_file() and not f.name.startswith("cache-")]
-    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return local.stamp(path)
 
 
 def _build(
@@ -275,6 +272,22 @@ class _Tokenize:
         encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [[*ids, self.eot][: self.max_seq_len - n] for ids, n in zip(encoded, prompt_lens)]
 
+    def observation_masks(self, batch: dict, keep: list[int], out: dict) -> dict:
+        """``<answer>_obs_mask`` beside each ``<answer>_ids`` whose rows carry observation
+        spans (an environment's); nothing for a single-turn source."""
+        masks = {}
+        for answer in ANSWERS:
+            spans = batch.get(spans_column(answer))
+            if spans is None or f"{answer}_ids" not in out:
+                continue
+            lengths = [len(ids) for ids in out[f"{answer}_ids"]]
+            texts = [batch[answer][i] for i in keep]
+            picked = [spans[i] for i in keep]
+            masks[mask_column(f"{answer}_ids")] = answer_masks(
+                self.tokenizer, texts, picked, lengths
+            )
+        return masks
+
     def __call__(self, batch: dict) -> dict:
         encoded = self.tokenizer(batch["prompt"])["input_ids"]
         keep = []
@@ -304,6 +317,7 @@ class _Tokenize:
                 out[column] = [batch[column][i] for i in keep]
         if "response" in batch:  # the demonstration SFT imitates
             out["response_ids"] = self.answer([batch["response"][i] for i in keep], lens)
+        out |= self.observation_masks(batch, keep, out)
         if "responses" in batch:
             out["responses_ids"] = [
                 self.answer(list(batch["responses"][i]), [n] * len(batch["responses"][i]))

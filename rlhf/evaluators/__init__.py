@@ -1,1 +1,2 @@
-"""Held-out evaluation of each step, and the reward model's pair metrics."""
+"""Held-out evaluation, one module a step (perplexity, pair_scores, rollout_scores,
+preference_scores) on what they share (gold_grading), and the reward model's pair metrics."""

@@ -1,2 +1,3 @@
-"""Hugging Face models: loading (hub, local, the embedded tiny model), LoRA, exports, and the
-lean attention."""
+"""Hugging Face models: loading (hub, local, the embedded tiny model), LoRA (peft_lora), exports
+and ZeRO-3 gathers (export), the lean attention, and what decides whether models fit together
+and fit DeepSpeed's hybrid engine (compatibility)."""

@@ -73,7 +73,7 @@ class EMA:
         if not path.is_file():
             raise ConfigError(
                 f"{path}: missing; this checkpoint holds no EMA of the actor (it was written "
-                "with ppo.ema=false, or before the EMA had files of its own); resume with the "
+                "with ppo.ema.enabled=false, or before the EMA had files of its own); resume with the "
                 "settings that wrote it or start over with resume=never"
             )
         shards = torch.load(path, weights_only=True)

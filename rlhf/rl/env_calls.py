@@ -1,5 +1,5 @@
 """Calls into a user's environment (``reset``, ``step``) that a fault cannot turn into a lost
-run: each call under a time limit (``ppo.multi_turn.env_timeout_s``), whatever it raises
+run: each call under a time limit (``ppo.rollout.multi_turn.env_timeout_s``), whatever it raises
 turned into one line, and a stop signal never held up by a call that does not return.
 
 Every call runs on one worker thread of the process, one call at a time, in the order the
@@ -11,7 +11,7 @@ returns (its result is then dropped) or the process exits (the worker is a daemo
 returns, no new call is made, so that an environment is never called while an earlier call
 of it is still running: the episodes that would call it end as environment errors at once, and
 an environment that hangs for good costs one time limit, then fails every rollout until
-``ppo.multi_turn.max_failed_rollouts`` stops the run.
+``ppo.rollout.multi_turn.max_failed_rollouts`` stops the run.
 
 SIGTERM and SIGINT reach the handler the training loop installed (its StopRequest); while
 episodes are played they are also noted here, and a call still running :data:`STOP_GRACE_S`
@@ -144,7 +144,7 @@ class EnvCalls:
         if stuck is not None:
             return None, (
                 f"{method} not called: a {stuck.method} call past its time limit is still "
-                "running (ppo.multi_turn.env_timeout_s)"
+                "running (ppo.rollout.multi_turn.env_timeout_s)"
             )
         made = _Call(method, fn, args)
         worker().calls.put(made)
@@ -171,7 +171,7 @@ class EnvCalls:
             if now >= deadline:
                 return (
                     f"{made.method} timed out after {self.timeout_s:g} s "
-                    "(ppo.multi_turn.env_timeout_s)"
+                    "(ppo.rollout.multi_turn.env_timeout_s)"
                 )
         return None
 
@@ -179,7 +179,7 @@ class EnvCalls:
 class FailedRollouts:
     """Each rollout's environment faults warned in one line; the rollouts in a row in which
     every episode that reached the environment failed, counted over all ranks and bounded by
-    ``limit`` (ppo.multi_turn.max_failed_rollouts; 0: no bound)."""
+    ``limit`` (ppo.rollout.multi_turn.max_failed_rollouts; 0: no bound)."""
 
     def __init__(self, env_name: str, limit: int):
         self.env_name, self.limit = env_name, limit
@@ -205,5 +205,5 @@ class FailedRollouts:
             raise ConfigError(
                 f"environment {self.env_name}: every episode ended in an environment error in "
                 f"{self.in_a_row} rollouts in a row{last}; stopped at "
-                f"ppo.multi_turn.max_failed_rollouts={self.limit} (0: never stop)"
+                f"ppo.rollout.multi_turn.max_failed_rollouts={self.limit} (0: never stop)"
             )

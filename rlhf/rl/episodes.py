@@ -1,21 +1,23 @@
 """Multi-turn episodes on a task with an environment (a ``step``, docs/environments.md).
 
 The framework owns the loop, on either decoder (rlhf.rl.rollouts: hf or vLLM): every live
-episode of a batch generates its next turn in one call, ending at end-of-text, at one of the
-task's turn stops or at its token bound; the environment answers each turn; its observation's
-token ids are appended after the turn's and the next turn is generated from the ids so far.
-Nothing is re-tokenised: the ids trained on are the ids sampled and the observations' ids.
+episode of a batch generates its next turn in one call, which ends each turn inside the
+decoding at end-of-text, at a turn stop or at the episode's own bound; the environment
+answers each turn; its observation's ids are appended after the turn's and the next turn is
+generated from the ids so far. Nothing is re-tokenised: the ids trained on are the ids
+sampled and the observations' ids.
 
-The result is an ordinary :class:`Rollout` whose response is the whole episode: the attention
-mask covers it, the response (action) mask only the model's tokens, so every loss, KL,
-whitening moment and metric leaves the observations out and the estimators pass through them
+The result is :class:`Episodes`, the Rollout layout whose response is the whole episode, the
+environment's record beside it: the attention mask covers it, the response (action) mask only
+the model's tokens, so every loss, KL, whitening moment and metric leaves the observations
+out and the estimators pass through them
 (rlhf.algos: the outcome reward at the last model token reaches every earlier turn, GAE
 bootstraps across an observation to the next model token).
 
 The environment is a user's code: its calls are made by rlhf.rl.env_calls (a time limit, a
 stop signal never held up), a call that fails ends its episode at score 0 (``env_error``), a
 rollout's failures are one warning, and rollouts that fail whole stop the run after
-``ppo.multi_turn.max_failed_rollouts``; a Step of the wrong kind stops it at once.
+``ppo.rollout.multi_turn.max_failed_rollouts``; a Step of the wrong kind stops it at once.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from rlhf import tasks
 from rlhf.config import ConfigError, MultiTurnConfig
 from rlhf.data.collate import left_pad
 from rlhf.rl.env_calls import EnvCalls, FailedRollouts
-from rlhf.rl.generation import Rollout, Sampling
+from rlhf.rl.generation import Rollout, Sampling, turn_length
+from rlhf.rl.rollouts import Decoder
 from rlhf.runtime.dist import all_reduce_sum, gather_lists, max_over_ranks
 from rlhf.tasks.faults import check_step
 
@@ -49,10 +52,30 @@ class EpisodeRecord(NamedTuple):
     metrics: dict[str, torch.Tensor]
 
 
-def episode_scores(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+class Episodes(NamedTuple):
+    """Whole episodes in the :class:`Rollout` layout, with ``record`` (the environment's): the
+    response is the whole episode, the model's turns and the observations between them;
+    attention_mask is 1 on all of it, response_mask (the action mask) only on the model's
+    tokens, logprobs 0 at the observations."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_width: int
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor | None
+    ended: torch.Tensor
+    record: EpisodeRecord
+
+
+def episode_record(rollout: Rollout | Episodes) -> EpisodeRecord | None:
+    """The environment's record of a rollout of episodes; None for single-turn answers."""
+    return rollout.record if isinstance(rollout, Episodes) else None
+
+
+def episode_scores(scores: torch.Tensor, rollout: Rollout | Episodes) -> torch.Tensor:
     """(B,) a rollout's scores with its environment's rewards added and 0 where an environment
     call failed; single-turn rollouts' unchanged."""
-    record = rollout.episodes
+    record = episode_record(rollout)
     if record is None:
         return scores
     scores = scores + record.env_reward.to(scores)
@@ -66,6 +89,7 @@ class _Episode:
 
     prompt_ids: list[int]
     view: tasks.Episode
+    budget: int  # the tokens it may take after its prompt (turns and observations)
     ids: list[int] = field(default_factory=list)
     from_model: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -109,27 +133,17 @@ def observation_ids(tokenizer, text: str, room: int) -> tuple[list[int], bool]:
         chars *= 8  # characters longer than a token each: a longer prefix
 
 
-def turn_length(ids: list[int], end_id: int, stops: tuple[tuple[int, ...], ...]) -> int:
-    """How many of a turn's generated ``ids`` are the turn: up to and with the first end-of-text
-    or the first completed turn stop; all of them when neither occurs."""
-    for n, token in enumerate(ids, start=1):
-        if token == end_id or any(
-            n >= len(stop) and tuple(ids[n - len(stop) : n]) == stop for stop in stops
-        ):
-            return n
-    return len(ids)
-
-
 class EpisodeRollouts:
-    """A decoder (HFDecoder or VLLMDecoder) playing whole episodes against ``env``, with the
-    decoder's ``generate`` / ``sync`` / ``close``. ``budget``: the tokens an episode may take
-    after its prompt (turns and observations: max_new_tokens); ``synced``: every rank's
-    generate is a collective (ZeRO-3 on several ranks), so a rank whose episodes have all
-    ended keeps generating until every rank's have."""
+    """A :class:`~rlhf.rl.rollouts.Decoder` (hf or vLLM) playing whole episodes against
+    ``env``; a Decoder itself, whose answers are :class:`Episodes` (rollouts.weight_holder
+    finds the engine inside). ``budget``: the tokens an episode may take after its prompt
+    (turns and observations: max_new_tokens); ``synced``: every rank's generate is a
+    collective (ZeRO-3 on several ranks), so a rank whose episodes have all ended keeps
+    generating until every rank's have."""
 
     def __init__(
         self,
-        decoder,
+        decoder: Decoder,
         env: tasks.Task,
         tokenizer,
         bounds: MultiTurnConfig,
@@ -147,15 +161,6 @@ class EpisodeRollouts:
         self.calls = EnvCalls(bounds.env_timeout_s)
         self.failed = FailedRollouts(env.name, bounds.max_failed_rollouts)
 
-    def sync(self) -> None:
-        self.decoder.sync()
-
-    def release(self) -> None:
-        self.decoder.release()
-
-    def close(self) -> None:
-        self.decoder.close()
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -163,13 +168,17 @@ class EpisodeRollouts:
         seed: int | None = None,
         group_size: int = 1,
         logprobs_temperature: float | None = None,
-    ) -> Rollout:
-        """``group_size`` episodes from each prompt, in contiguous rows, as one Rollout (see
-        the module's docstring); ``seed`` seeds each turn's generation (turn t: its own seed).
-        The environment's faults are warned in one line, and counted towards
-        ``max_failed_rollouts`` (a collective: every rank calls this as often)."""
+        max_new: Sequence[int] | None = None,
+    ) -> Episodes:
+        """``group_size`` episodes from each prompt, in contiguous rows (see the module's
+        docstring); ``seed`` seeds each turn's generation (turn t: its own seed); ``max_new``:
+        one token budget a prompt (else the player's ``budget``). The environment's faults are
+        warned in one line, counted towards ``max_failed_rollouts`` (a collective)."""
         with self.calls.watching():
-            episodes = [self._start(list(p)) for p in prompts for _ in range(group_size)]
+            budgets = max_new or [self.budget] * len(prompts)
+            episodes = [
+                self._start(list(p), b) for p, b in zip(prompts, budgets) for _ in range(group_size)
+            ]
             turn = 0
             while self._any_live(episodes):
                 live = [e for e in episodes if e.live]
@@ -188,8 +197,8 @@ class EpisodeRollouts:
         self.failed.add(faults, len(episodes), reached, self.calls.stopping)
         return self._rollout(episodes, sampling, logprobs_temperature is not None)
 
-    def _start(self, prompt_ids: list[int]) -> _Episode:
-        episode = _Episode(prompt_ids, tasks.Episode(self._text(prompt_ids)))
+    def _start(self, prompt_ids: list[int], budget: int) -> _Episode:
+        episode = _Episode(prompt_ids, tasks.Episode(self._text(prompt_ids)), budget)
         reset = getattr(self.env, "reset", None)
         if callable(reset):
             episode.called = True
@@ -214,7 +223,8 @@ class EpisodeRollouts:
         seed: int | None,
         logprobs_temperature: float | None,
     ) -> None:
-        """Generate every live episode's next turn in one call and let the environment answer."""
+        """Generate every live episode's next turn in one call, each ending inside the decoding
+        at its stop or its own bound, and let the environment answer."""
         bounds = [self._turn_bound(e) for e in live]
         turn_sampling = replace(
             sampling,
@@ -224,10 +234,14 @@ class EpisodeRollouts:
             prompt_width=sampling.prompt_width if turn == 0 else None,
         )
         contexts = [e.prompt_ids + e.ids for e in live]
-        out = self.decoder.generate(contexts, turn_sampling, seed, 1, logprobs_temperature)
+        out = self.decoder.generate(
+            contexts, turn_sampling, seed, 1, logprobs_temperature, max_new=bounds
+        )
         generated = out.sequences[:, out.prompt_width :].tolist()
+        kept = out.response_mask.sum(dim=1).tolist()
         for row, (episode, bound) in enumerate(zip(live, bounds, strict=True)):
-            ids = generated[row][:bound]
+            # the decoder ended the turn (one that decoded on is cut at the turn's end too)
+            ids = generated[row][: min(bound, kept[row])]
             length = turn_length(ids, self.end_id, self.stops)
             ids = ids[:length]
             logprobs = out.logprobs[row, :length].tolist() if out.logprobs is not None else []
@@ -236,7 +250,7 @@ class EpisodeRollouts:
             self._answer(episode, ids)
 
     def _turn_bound(self, episode: _Episode) -> int:
-        left = self.budget - len(episode.ids)
+        left = episode.budget - len(episode.ids)
         cap = self.bounds.max_turn_tokens
         return min(left, cap) if cap is not None else left
 
@@ -269,22 +283,22 @@ class EpisodeRollouts:
     def _observe(self, episode: _Episode, observation: str) -> None:
         """Append an observation's ids, cut to the observation bound and to what leaves the
         episode one more model token; an episode with no room left ends, cut."""
-        if len(episode.ids) >= self.budget:  # no room for another turn: cut here
+        if len(episode.ids) >= episode.budget:  # no room for another turn: cut here
             episode.finish(ended=False)
             return
-        room = min(self.bounds.max_observation_tokens, self.budget - len(episode.ids) - 1)
+        room = min(self.bounds.max_observation_tokens, episode.budget - len(episode.ids) - 1)
         ids, cut = observation_ids(self.tokenizer, observation, room)
         episode.obs_truncated += cut
         episode.view.observations.append(self.tokenizer.decode(ids))
         episode.append(ids, False, [0.0] * len(ids))
-        if len(episode.ids) >= self.budget:
+        if len(episode.ids) >= episode.budget:
             episode.finish(ended=False)
 
     def _rollout(
         self, episodes: list[_Episode], sampling: Sampling, with_logprobs: bool
-    ) -> Rollout:
+    ) -> Episodes:
         """The episodes in the Rollout layout: left-padded prompts, then each episode's ids
-        padded on the right."""
+        padded on the right; their record beside them."""
         prompt_ids, prompt_mask = left_pad(
             [e.prompt_ids for e in episodes], self.pad_id, sampling.prompt_width
         )
@@ -310,14 +324,14 @@ class EpisodeRollouts:
                 name: torch.tensor([e.metrics.get(name, 0.0) for e in episodes]) for name in names
             },
         )
-        return Rollout(
+        return Episodes(
             sequences=torch.cat([prompt_ids, response], dim=1),
             attention_mask=torch.cat([prompt_mask, real.long()], dim=1),
             prompt_width=prompt_ids.shape[1],
             response_mask=action,
             logprobs=logprobs if with_logprobs else None,
             ended=torch.tensor([e.ended for e in episodes]),
-            episodes=record,
+            record=record,
         )
 
 
@@ -331,8 +345,8 @@ class EpisodeTally:
     sums: dict[str, float] = field(default_factory=dict)
     episodes: int = 0
 
-    def add(self, rollout: Rollout, valid: Sequence[bool] | None = None) -> None:
-        record = rollout.episodes
+    def add(self, rollout: Rollout | Episodes, valid: Sequence[bool] | None = None) -> None:
+        record = episode_record(rollout)
         if record is None:
             return
         keep = torch.tensor(valid if valid is not None else [True] * len(record.turns))
@@ -368,7 +382,8 @@ def episode_environment(rows_by_split: Sequence, column: str) -> tasks.Task | No
         shown = ", ".join(name or "(rows of no task)" for name in names)
         raise ConfigError(
             f"the PPO prompts come from {shown}, of which {', '.join(envs)} runs multi-turn "
-            "episodes; take a multi-turn run's prompts from that task alone (ppo.prompt_sources)"
+            "episodes; take a multi-turn run's prompts from that task alone "
+            "(ppo.rollout.prompt_sources)"
         )
     env = tasks.resolve(envs[0])
     try:

@@ -1,17 +1,16 @@
-"""Rollouts: left-padded prompts, sampling or greedy decoding that stops at end-of-text, response
-masks, and ZeRO-3-safe generation (every rank keeps stepping until all have finished)."""
+"""Rollouts: left-padded prompts, sampling or greedy decoding that stops at end-of-text, at a turn
+stop or at each row's own bound (never past the model's positions), response masks, and
+ZeRO-3-safe generation (every rank keeps stepping until all have finished)."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from transformers import (
-    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -24,7 +23,7 @@ from transformers import (
 
 from rlhf.config import Config
 from rlhf.data.collate import left_pad
-from rlhf.modeling.loading import positions_of
+from rlhf.rl.kv_decoding import decode_dropping_finished, ends_with_stop
 
 
 @dataclass(frozen=True)
@@ -51,42 +50,42 @@ def rollout_sampling(cfg: Config, max_new_tokens: int) -> Sampling:
     ppo, data = cfg.ppo, cfg.data
     return Sampling(
         max_new_tokens,
-        ppo.greedy,
-        ppo.temperature,
-        ppo.top_p,
-        ppo.top_k,
-        ppo.stop_at_eos,
+        ppo.rollout.greedy,
+        ppo.rollout.temperature,
+        ppo.rollout.top_p,
+        ppo.rollout.top_k,
+        ppo.rollout.stop_at_eos,
         data.max_prompt_len if data.pad_to_max_len else None,
-        ppo.generation_cache,
+        ppo.rollout.cache,
         drops_finished_rows(ppo),
     )
 
 
 def eval_sampling(cfg: Config, max_new_tokens: int, greedy: bool) -> Sampling:
-    """How held-out answers are decoded: at ppo.temperature / top_p / top_k, to the end-of-text,
-    dropping each answer from the batch as it ends unless ppo.drop_finished_rows=false or the
-    cache is static. Same answers as HF's generate, which keeps every row of the batch until
-    the longest answer ends."""
+    """How held-out answers are decoded: at ppo.rollout.temperature / top_p / top_k, to the
+    end-of-text, dropping each answer from the batch as it ends unless
+    ppo.rollout.drop_finished_rows=false or the cache is static. Same answers as HF's
+    generate, which keeps every row of the batch until the longest answer ends."""
     ppo = cfg.ppo
-    drop = ppo.drop_finished_rows is not False and ppo.generation_cache == "dynamic"
+    drop = ppo.rollout.drop_finished_rows is not False and ppo.rollout.cache == "dynamic"
     return Sampling(
         max_new_tokens,
         greedy,
-        ppo.temperature,
-        ppo.top_p,
-        ppo.top_k,
-        cache=ppo.generation_cache,
+        ppo.rollout.temperature,
+        ppo.rollout.top_p,
+        ppo.rollout.top_k,
+        cache=ppo.rollout.cache,
         drop_finished=drop,
     )
 
 
 def drops_finished_rows(ppo) -> bool:
-    """ppo.drop_finished_rows resolved: null drops finished answers wherever it applies (answers
-    stop at end-of-text and the cache is the dynamic one); generate() still keeps HF's generate
-    under ZeRO-3 on several ranks."""
-    if ppo.drop_finished_rows is None:
-        return ppo.stop_at_eos and ppo.generation_cache == "dynamic"
-    return ppo.drop_finished_rows
+    """ppo.rollout.drop_finished_rows resolved: null drops finished answers wherever it applies
+    (answers stop at end-of-text and the cache is the dynamic one); generate() still keeps
+    HF's generate under ZeRO-3 on several ranks."""
+    if ppo.rollout.drop_finished_rows is None:
+        return ppo.rollout.stop_at_eos and ppo.rollout.cache == "dynamic"
+    return ppo.rollout.drop_finished_rows
 
 
 class Rollout(NamedTuple):
@@ -97,13 +96,11 @@ class Rollout(NamedTuple):
     logprobs: (B, R) log p of each response token under the generating weights, from the logits
         the sampling pass computed (None unless asked for).
     ended: (B,) True where the answer holds the end-of-text token; False where it was cut at
-        max_new_tokens (None: not recorded, every answer counts as ended).
-    episodes: a multi-turn rollout's per-episode record (rlhf.rl.episodes.EpisodeRecord: the
-        environment's rewards, errors, turns); None for single-turn answers.
+        its bound or ended at a turn stop (None: not recorded, every answer counts as ended).
 
-    In a multi-turn rollout the response holds the whole episode: the model's turns and the
-    observations between them. attention_mask is 1 on all of it, response_mask (the action
-    mask) only on the model's tokens, and logprobs are 0 at the observations."""
+    A decoded turn that ends at a turn stop is masked after the stop as an answer is after its
+    end-of-text. Whole multi-turn episodes are rlhf.rl.episodes.Episodes, the same layout with
+    the environment's record beside it."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
@@ -111,7 +108,6 @@ class Rollout(NamedTuple):
     response_mask: torch.Tensor
     logprobs: torch.Tensor | None = None
     ended: torch.Tensor | None = None
-    episodes: Any = None
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -141,24 +137,47 @@ class SampledLogprobs(LogitsProcessor):
         return torch.cat(self.columns, dim=1)
 
 
-def ends_with_stop(ids: torch.Tensor, stops: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """(B,) True where the (B, T) ``ids`` end with one of the token-id sequences ``stops``."""
-    hit = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for stop in stops:
-        if len(stop) <= ids.shape[1]:
-            tail = torch.tensor(stop, dtype=ids.dtype, device=ids.device)
-            hit |= (ids[:, -len(stop) :] == tail).all(dim=1)
-    return hit
+class RowEnds(StoppingCriteria):
+    """HF generate's per-row end: a row is done once its answer (the columns after the
+    ``width`` prompt columns) ends with a turn stop or holds its own bound of tokens (a
+    finished row is padded from there on). bounds: (B,) tokens each row may generate."""
 
-
-class StopSequences(StoppingCriteria):
-    """HF generate's per-row stop at a turn stop (a finished row is padded from there on)."""
-
-    def __init__(self, stops: tuple[tuple[int, ...], ...]):
-        self.stops = stops
+    def __init__(self, width: int, stops: tuple[tuple[int, ...], ...], bounds: torch.Tensor):
+        self.width, self.stops, self.bounds = width, stops, bounds
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        return ends_with_stop(input_ids, self.stops)
+        answers = input_ids[:, self.width :]
+        done = ends_with_stop(answers, self.stops)
+        return done | (answers.shape[1] >= self.bounds.to(done.device))
+
+
+def turn_length(ids: list[int], end_id: int, stops: tuple[tuple[int, ...], ...]) -> int:
+    """How many of a turn's generated ``ids`` are the turn: up to and with the first end-of-text
+    or the first completed turn stop; all of them when neither occurs."""
+    for n, token in enumerate(ids, start=1):
+        if token == end_id or any(
+            n >= len(stop) and tuple(ids[n - len(stop) : n]) == stop for stop in stops
+        ):
+            return n
+    return len(ids)
+
+
+def model_positions(model: torch.nn.Module) -> int | None:
+    """How many positions the model has (its learned position table's size), None if unsaid."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) if config is not None else None
+
+
+def row_bounds(
+    lengths: list[int], max_new: int, own: list[int] | None, positions: int | None
+) -> list[int]:
+    """Each row's bound on new tokens: its ``own`` (else ``max_new``), never more than what the
+    model's ``positions`` leave after the row's ``lengths`` real tokens (a forward pass over
+    the whole sequence, the log-probs', must not index past them), at least 1."""
+    bounds = list(own) if own is not None else [max_new] * len(lengths)
+    if positions is not None:
+        bounds = [min(b, positions - n) for b, n in zip(bounds, lengths, strict=True)]
+    return [max(1, b) for b in bounds]
 
 
 def response_mask(response_ids: torch.Tensor, end_id: int) -> torch.Tensor:
@@ -195,12 +214,19 @@ def generate(
     sampling: Sampling,
     synced_gpus: bool,
     logprobs_temperature: float | None = None,
+    max_new: list[int] | None = None,
 ) -> Rollout:
     """Sample answers for ``prompts`` (token id lists). With ``synced_gpus`` (ZeRO-3) every rank
     runs the same number of forward passes even after its own answers have ended. With
-    ``logprobs_temperature`` the rollout carries each answer token's log-prob under it."""
+    ``logprobs_temperature`` the rollout carries each answer token's log-prob under it.
+    ``max_new``: each row's own bound (else sampling.max_new_tokens); a row ends inside the
+    decoding at end-of-text, at a turn stop (sampling.stop_sequences) or at its bound, which
+    never passes the model's positions."""
     input_ids, prompt_mask = left_pad(prompts, pad_id, sampling.prompt_width)
     device = next(model.parameters()).device
+    bounds = row_bounds(
+        [len(p) for p in prompts], sampling.max_new_tokens, max_new, model_positions(model)
+    )
     was_training = model.training
     model.eval()
     if sampling.drop_finished and sampling.stop_at_eos and not synced_gpus:
@@ -208,47 +234,99 @@ def generate(
             model,
             input_ids.to(device),
             prompt_mask.to(device),
-            sampling,
+            sampling_warpers(sampling),
+            sampling.greedy,
+            sampling.stop_sequences,
             pad_id,
             end_id,
             logprobs_temperature,
+            torch.tensor(bounds, device=device),
         )
     else:  # HF generate (also under ZeRO-3 on several ranks, which needs synced_gpus)
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens,
-            do_sample=not sampling.greedy,
-            temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None,
-            top_k=sampling.top_k if not sampling.greedy else None,
-            pad_token_id=pad_id,
-            # [] rather than None: None falls back to the model's own generation_config (an
-            # exported model names its end-of-text there), which would stop at it anyway
-            eos_token_id=end_id if sampling.stop_at_eos else [],
-            cache_implementation=sampling.cache,
+        sequences, logprobs = _hf_generate(
+            model,
+            input_ids.to(device),
+            prompt_mask.to(device),
+            sampling,
+            (pad_id, end_id),
+            synced_gpus,
+            logprobs_temperature,
+            bounds,
         )
-        recorder = (
-            SampledLogprobs(logprobs_temperature) if logprobs_temperature is not None else None
-        )
-        with only_our_settings(model):
-            sequences = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=prompt_mask.to(device),
-                generation_config=config,
-                logits_processor=LogitsProcessorList([recorder] if recorder else []),
-                stopping_criteria=StoppingCriteriaList(
-                    [StopSequences(sampling.stop_sequences)] if sampling.stop_sequences else []
-                ),
-                synced_gpus=synced_gpus,
-            )
-        logprobs = recorder.finish(sequences) if recorder else None
     model.train(was_training)
     logprobs = logprobs.cpu() if logprobs is not None else None
     sequences = sequences.cpu()
-    width = input_ids.shape[1]
-    mask = response_mask(sequences[:, width:], end_id)
+    return decoded_rollout(
+        sequences, prompt_mask, end_id, sampling.stop_sequences, bounds, logprobs
+    )
+
+
+def decoded_rollout(
+    sequences: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    end_id: int,
+    stops: tuple[tuple[int, ...], ...],
+    bounds: list[int],
+    logprobs: torch.Tensor | None,
+) -> Rollout:
+    """The Rollout of (B, P + R) decoded ``sequences`` after (B, P) prompts: each answer is
+    its tokens up to and with its end-of-text or turn stop, within its bound (the rest masked)."""
+    width = prompt_mask.shape[1]
+    answers = sequences[:, width:]
+    lengths = [
+        turn_length(row[:bound], end_id, stops)
+        for row, bound in zip(answers.tolist(), bounds, strict=True)
+    ]
+    mask = torch.arange(answers.shape[1]) < torch.tensor(lengths).unsqueeze(1)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-    ended = (sequences[:, width:] == end_id).any(dim=1)
+    ended = ((answers == end_id) & mask).any(dim=1)
     return Rollout(sequences, attention_mask, width, mask, logprobs, ended)
+
+
+def _hf_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: Sampling,
+    pad_end: tuple[int, int],
+    synced_gpus: bool,
+    logprobs_temperature: float | None,
+    bounds: list[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF's generate over (B, P) prompts: (B, P + R) sequences and the (B, R) log-probs if
+    asked. Rows end at their stop or bound by :class:`RowEnds`; generate keeps feeding a
+    finished row pads at growing positions until the batch ends, so the batch takes no more
+    steps than the row with the least room before the model's positions has."""
+    pad_id, end_id = pad_end
+    positions = model_positions(model)
+    steps = max(bounds)
+    if positions is not None:
+        steps = max(1, min(steps, positions - int(prompt_mask.sum(1).max())))
+    config = GenerationConfig(
+        max_new_tokens=steps,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature if not sampling.greedy else None,
+        top_p=sampling.top_p if not sampling.greedy else None,
+        top_k=sampling.top_k if not sampling.greedy else None,
+        pad_token_id=pad_id,
+        # [] rather than None: None falls back to the model's own generation_config (an
+        # exported model names its end-of-text there), which would stop at it anyway
+        eos_token_id=end_id if sampling.stop_at_eos else [],
+        cache_implementation=sampling.cache,
+    )
+    recorder = SampledLogprobs(logprobs_temperature) if logprobs_temperature is not None else None
+    row_ends = sampling.stop_sequences or min(bounds) < steps
+    ends = RowEnds(input_ids.shape[1], sampling.stop_sequences, torch.tensor(bounds))
+    with only_our_settings(model):
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder] if recorder else []),
+            stopping_criteria=StoppingCriteriaList([ends] if row_ends else []),
+            synced_gpus=synced_gpus,
+        )
+    return sequences, recorder.finish(sequences) if recorder else None
 
 
 def sampling_warpers(sampling: Sampling) -> LogitsProcessorList:
@@ -263,86 +341,6 @@ def sampling_warpers(sampling: Sampling) -> LogitsProcessorList:
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(sampling.top_p))
     return warpers
-
-
-def cache_argument(model: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: ``cache`` in recent transformers,
-    ``past_key_values`` before (deprecated there, and going in 5.40)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return (
-        "cache"
-        if "cache" in inspect.signature(type(base).forward).parameters
-        else "past_key_values"
-    )
-
-
-def decode_dropping_finished(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    sampling: Sampling,
-    pad_id: int,
-    end_id: int,
-    logprobs_temperature: float | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KV-cached decoding of (B, P) left-padded prompts that removes each answer from the batch,
-    and its rows from the cache, as soon as it ends: later steps compute only the answers still
-    running. Sampling is HF's (same warpers, one multinomial draw a step). Returns (B, P + R)
-    sequences, padded after each end-of-text as HF's generate pads them (R: the longest answer),
-    and with ``logprobs_temperature`` the (B, R) log-prob of each answer token under it."""
-    batch, max_new = input_ids.shape[0], sampling.max_new_tokens
-    device = input_ids.device
-    answers = torch.full((batch, max_new), pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((batch, max_new), device=device)
-    warpers = sampling_warpers(sampling)
-    rows = torch.arange(batch, device=device)  # the prompt each running answer belongs to
-    mask = prompt_mask
-    positions = positions_of(mask)
-    cache = DynamicCache(config=model.config)
-    cache_kwarg = {cache_argument(model): cache}
-
-    def next_logits(ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor):
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            use_cache=True,
-            **cache_kwarg,
-        )
-        return out.logits[:, -1].float()
-
-    logits = next_logits(input_ids, mask, positions)
-    last_position, steps = positions[:, -1], 0
-    for step in range(max_new):
-        scores = warpers(input_ids, logits)  # these warpers never read input_ids
-        if sampling.greedy:
-            tokens = scores.argmax(-1)
-        else:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        answers[rows, step] = tokens
-        if logprobs_temperature is not None:
-            step_logprobs = torch.log_softmax(logits / logprobs_temperature, dim=-1)
-            logprobs[rows, step] = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        steps = step + 1
-        running = tokens != end_id
-        if sampling.stop_sequences:
-            running &= ~ends_with_stop(answers[rows, :steps], sampling.stop_sequences)
-        if steps == max_new or not running.any():
-            break
-        if not running.all():
-            keep = running.nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            rows, tokens, mask, last_position = (
-                rows[keep],
-                tokens[keep],
-                mask[keep],
-                last_position[keep],
-            )
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        last_position = last_position + 1
-        logits = next_logits(tokens.unsqueeze(1), mask, last_position.unsqueeze(1))
-    sequences = torch.cat([input_ids, answers[:, :steps]], dim=1)
-    return sequences, logprobs[:, :steps] if logprobs_temperature is not None else None
 
 
 def decode_responses(tokenizer, rollout: Rollout) -> list[str]:

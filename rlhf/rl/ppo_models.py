@@ -4,7 +4,6 @@ the critic's ZeRO stage (or sit offloaded); and their save_pretrained exports.""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -15,19 +14,18 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf import registry
 from rlhf.config import Config, ConfigError, RoleConfig
 from rlhf.data.sources import source_task
+from rlhf.modeling.compatibility import hybrid_engine_problem
+from rlhf.modeling.export import export_pretrained
 from rlhf.modeling.loading import (
-    AdaptersOff,
-    apply_lora,
     attention,
-    export_pretrained,
     load_causal_lm,
     load_tokenizer,
     load_value_model,
     read_stats,
-    reference_is_base,
     scale_value_head,
     tokenizer_fingerprint,
 )
+from rlhf.modeling.peft_lora import AdaptersOff, apply_lora, reference_is_base
 from rlhf.rl.ema import EMA
 from rlhf.rl.rewards import RewardFunction
 from rlhf.runtime.dist import world_size
@@ -56,10 +54,10 @@ def build_models(
     cfg: Config, tokenizer, dtype: str, updates: int, actor_updates: int | None = None
 ) -> Models:
     """Actor and critic as trained DeepSpeed engines; reference and reward model frozen at
-    the actor's and the critic's ZeRO stage (or offloaded); with ppo.reward_function no reward
+    the actor's and the critic's ZeRO stage (or offloaded); with ppo.reward.function no reward
     model is loaded, with a critic-free estimator (registry.uses_critic false) no critic."""
     ppo = cfg.ppo
-    shape = BatchShape(ppo.per_device_training_batch_size, ppo.grad_accum, world_size())
+    shape = BatchShape(ppo.update.per_device_batch_size, ppo.update.grad_accum, world_size())
     device = device_type(cfg.device)
     actor_attn = attention(cfg.actor.model, device, dtype, cfg.data.max_seq_len, decodes=True)
     critic_attn = attention(cfg.critic.model, device, dtype, cfg.data.max_seq_len, decodes=True)
@@ -79,7 +77,7 @@ def build_models(
             cfg.actor.model, cfg.actor.model.path, tokenizer, dtype, ds, actor_attn
         ),
     )
-    # rlhf.checks.validate checks these from the config files; a hub model or step=all's exports are
+    # rlhf.checks.ppo_launch checks these from the config files; a hub model or step=all's exports are
     # checked here, on the loaded model, before any engine exists
     if cfg.actor.hybrid_engine and (problem := hybrid_engine_problem(type(actor))):
         raise ConfigError(f"actor.hybrid_engine=true: {problem}")
@@ -117,8 +115,8 @@ def build_models(
     for role, engine in (("actor", actor), ("critic", critic)):
         if engine is not None:
             log.info("%s: %s", role, engine_summary(engine))
-    if ppo.reward_function is not None:
-        reward = RewardFunction(ppo.reward_function, tokenizer, prompt_tasks(cfg))
+    if ppo.reward.function is not None:
+        reward = RewardFunction(ppo.reward.function, tokenizer, prompt_tasks(cfg))
     else:
         reward = frozen(
             cfg.critic,
@@ -131,8 +129,8 @@ def build_models(
 
 
 def prompt_tasks(cfg: Config) -> list[str]:
-    """The tasks of the PPO prompts' sources (ppo.prompt_sources, else every source)."""
-    names = cfg.ppo.prompt_sources or list(cfg.data.sources)
+    """The tasks of the PPO prompts' sources (ppo.rollout.prompt_sources, else every source)."""
+    names = cfg.ppo.rollout.prompt_sources or list(cfg.data.sources)
     found = (source_task(cfg.data.sources[n]) for n in names if n in cfg.data.sources)
     return [task for task in found if task]
 
@@ -147,7 +145,7 @@ def build_critic(cfg: Config, tokenizer, dtype: str, updates: int, trained, attn
         ),
     )
     critic_config = critic.hf.config
-    if cfg.ppo.normalizes_reward:
+    if cfg.ppo.reward.normalizes:
         # Returns arrive in normalised reward units. A critic left in the reward model's raw
         # units starts with value errors of several stds, which GAE passes on as advantages.
         # (Scaling only: OPT's score head has no bias to take the mean off; mean / std remains.)
@@ -187,7 +185,7 @@ def _is_lora_layer(module: torch.nn.Module) -> bool:
 
 def export_models(models: Models, ema: EMA | None, cfg: Config, tokenizer, run_dir: Path) -> None:
     """actor/ (LoRA merged) and critic/ (if one was trained) in save_pretrained format;
-    actor_ema/ with ppo.ema."""
+    actor_ema/ with ppo.ema.enabled."""
 
     def actor_copy():
         copy = AutoModelForCausalLM.from_config(
@@ -229,7 +227,7 @@ def critic_stats(cfg: Config) -> dict | None:
     """The score statistics of the critic export: the reward model's, in the units the critic
     was scaled to (so normalising its scores again gives the same normalised values)."""
     stats = read_stats(cfg.critic.reward_model_source)
-    if stats is None or not cfg.ppo.normalizes_reward:
+    if stats is None or not cfg.ppo.reward.normalizes:
         return stats
     return {**stats, "mean": stats["mean"] / stats["std"], "std": 1.0}
 
@@ -255,49 +253,21 @@ def load_tokenizer_pair(cfg: Config):
 
 def reward_settings(cfg: Config) -> tuple[tuple[float, float] | None, str]:
     """How the reward model's scores are read: the (mean, std) to normalise them by
-    (ppo.normalize_reward) and the score position, from the reward export's statistics."""
+    (ppo.reward.normalize) and the score position, from the reward export's statistics."""
     path = cfg.critic.reward_model_source
     stats = read_stats(path) if path is not None else None
-    if cfg.ppo.normalizes_reward and stats is None:
+    if cfg.ppo.reward.normalizes and stats is None:
         raise ConfigError(
-            f"ppo.normalize_reward=true: the reward model {path} has no reward_stats.json "
+            f"ppo.reward.normalize=true: the reward model {path} has no reward_stats.json "
             "(export it with step=reward)"
         )
-    normalise = (stats["mean"], stats["std"]) if cfg.ppo.normalizes_reward else None
+    normalise = (stats["mean"], stats["std"]) if cfg.ppo.reward.normalizes else None
     return normalise, (stats or {}).get("score_position", "last")
 
 
 def max_new_tokens(cfg: Config) -> int:
-    """ppo.max_new_tokens, or (0) what data.max_seq_len leaves after data.max_prompt_len."""
-    return cfg.ppo.max_new_tokens or cfg.data.max_seq_len - cfg.data.max_prompt_len
-
-
-def reward_model_setting(cfg: Config) -> str:
-    """The key and value that name PPO's reward model: critic.reward_model_path, else
-    critic.model.path."""
-    own = cfg.critic.reward_model_path is not None
-    key = "critic.reward_model_path" if own else "critic.model.path"
-    return f"{key}={cfg.critic.reward_model_source}"
-
-
-def end_of_text_problem(eot: int, stats: dict | None, setting: str, tokenizer) -> str | None:
-    """The reward model must score answers that end the way PPO ends them: the end-of-text
-    token its step-2 export recorded (reward_stats.json) must be the actor's ``eot``. None when
-    they agree or the export records none (a causal LM as critic, an older export).
-    ``setting``: the key=value naming the reward model (reward_model_setting)."""
-    trained = (stats or {}).get("end_of_text_id")
-    if trained is None or trained == eot:
-        return None
-
-    def named(token_id: int) -> str:
-        return f"{tokenizer.convert_ids_to_tokens(token_id)!r} (id {token_id})"
-
-    return (
-        f"{setting}: the reward model was trained on answers that end in "
-        f"{named(trained)}, but PPO ends the actor's answers with {named(eot)}, so it would be "
-        "scored at a token it never saw last; set actor.model.end_of_text_token to the reward "
-        "step's model.end_of_text_token (or train the reward model with the actor's)"
-    )
+    """ppo.rollout.max_new_tokens, or (0) what data.max_seq_len leaves after data.max_prompt_len."""
+    return cfg.ppo.rollout.max_new_tokens or cfg.data.max_seq_len - cfg.data.max_prompt_len
 
 
 def active_dropouts(module: torch.nn.Module) -> list[str]:
@@ -327,68 +297,3 @@ def refuse_dropout(role: str, model: torch.nn.Module) -> None:
             f"{role}.model.dropout=0.0 and {role}.lora.dropout=0.0 (a layerdrop must be 0 in "
             "the model's config.json)"
         )
-
-
-# Arguments that mark a transformers decoder layer taking a Cache object (4.38-4.57:
-# cache_position, later past_key_values; 5.x: cache). A lone past_key_value was the tuple
-# contract the kernels implement.
-CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_position")
-
-
-def hybrid_engine_problem(lm_class: type, policies=None) -> str | None:
-    """Why DeepSpeed's hybrid engine cannot decode for ``lm_class`` (a causal LM class), or
-    None when it can. ``engine.eval()`` replaces each decoder layer that one of its injection
-    ``policies`` (default: the installed DeepSpeed's) names with an inference kernel that keeps
-    its own (key, value) tuple per layer and returns a (hidden, present) tuple. A layer whose
-    forward takes a Cache object and returns a tensor does not fit: generation would fail or
-    decode from a wrong cache. With no policy for the layers (or one DeepSpeed itself skips)
-    nothing is swapped: the flag would only add the engine's overhead."""
-    import deepspeed
-    import transformers
-    from deepspeed.module_inject.containers.opt import HFOPTLayerPolicy
-
-    if policies is None:
-        from deepspeed.module_inject.replace_policy import replace_policies as policies
-    layers = []
-    for policy in policies:
-        policy(None)  # DeepSpeed fills _orig_layer_class when a policy is first built
-        known = policy._orig_layer_class
-        for layer in known if isinstance(known, list) else [known]:
-            if layer is not None and layer.__module__ == lm_class.__module__:
-                layers.append((policy, layer))
-    versions = f"DeepSpeed {deepspeed.__version__} with transformers {transformers.__version__}"
-    if not layers:
-        return (
-            f"{versions} has no inference kernels for {lm_class.__name__}: the hybrid engine "
-            "would decode with the training forward and only add its overhead; set "
-            "actor.hybrid_engine=false"
-        )
-    for policy, layer in layers:
-        arguments = inspect.signature(layer.forward).parameters
-        cache = [a for a in CACHE_ARGUMENTS if a in arguments]
-        if policy is HFOPTLayerPolicy and {"cache_position", "past_key_values"} & set(cache):
-            return (
-                f"{versions} skips its {layer.__name__} kernels (the layer takes a Cache), so "
-                "the hybrid engine would change nothing; set actor.hybrid_engine=false"
-            )
-        if cache:
-            return (
-                f"{versions}: the hybrid engine would replace {layer.__name__} with an "
-                f"inference kernel that keeps a (key, value) tuple cache of its own and returns "
-                f"a tuple, but this {layer.__name__}.forward takes a Cache ({cache[0]}) and "
-                "returns a tensor, so generation would fail or decode wrongly; set "
-                "actor.hybrid_engine=false (or use versions whose layers take tuple caches)"
-            )
-    return None
-
-
-def causal_lm_class(config_json: dict) -> type | None:
-    """The transformers class a model directory's config.json loads as a causal LM, or None
-    when transformers has no such class (remote code)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = [a for a in config_json.get("architectures") or [] if a.endswith("ForCausalLM")]
-    names.append(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config_json.get("model_type"), ""))
-    classes = [getattr(transformers, n, None) for n in names if n]
-    return next((c for c in classes if c is not None), None)

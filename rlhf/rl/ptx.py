@@ -3,29 +3,14 @@ update (DeepSpeed-Chat's unsup_coef), so RLHF does not erode what pretraining ta
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
-from rlhf import tasks
 from rlhf.algos.logits import causal_lm_nll_sum
 from rlhf.config import Config
 from rlhf.data.collate import right_pad
-from rlhf.data.sources import source_task
+from rlhf.data.ptx_text import ptx_texts
 from rlhf.runtime.dist import rank, world_size
 from rlhf.runtime.engine import model_device
-
-
-def ptx_source(cfg: Config) -> str | None:
-    """Where PTX reads its text: ppo.unsup_source, or (null) the task every PPO prompt source
-    comes from (data=toy: the toy task's statements); None when there is no such task, since
-    real data's text is not the toy's (a file must be named)."""
-    if cfg.ppo.unsup_source is not None:
-        return cfg.ppo.unsup_source
-    names = cfg.ppo.prompt_sources or list(cfg.data.sources)
-    found = {source_task(cfg.data.sources[name]) for name in names}
-    return found.pop() if len(found) == 1 and None not in found else None
 
 
 class PTXBatches:
@@ -35,15 +20,10 @@ class PTXBatches:
     disjoint rows, and ``batches`` (the same on every rank) is all a resume needs."""
 
     def __init__(self, cfg: Config, tokenizer, eot: int):
-        source = ptx_source(cfg)
-        texts = (
-            _read_texts(source, cfg.ppo.unsup_rows)
-            if os.path.isfile(source)
-            else tasks.corpus(tasks.resolve(source), cfg.ppo.unsup_rows, cfg.data.seed)
-        )
+        texts = ptx_texts(cfg)
         ids = tokenizer(texts, truncation=True, max_length=cfg.data.max_seq_len - 1)["input_ids"]
         self.rows = [[*row, eot] for row in ids]
-        self.size = cfg.ppo.per_device_training_batch_size
+        self.size = cfg.ppo.update.per_device_batch_size
         self.pad_id = tokenizer.pad_token_id
         self.batches = 0  # batches each rank has read
 
@@ -69,11 +49,3 @@ class PTXBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batches = int(state["batches"])
-
-
-def _read_texts(path: str, limit: int) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    if path.endswith(".jsonl"):
-        lines = [json.loads(line)["text"] for line in lines]
-    return lines[:limit]

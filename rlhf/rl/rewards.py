@@ -1,4 +1,4 @@
-"""Rule-based rewards for PPO (``ppo.reward_function``), in place of the reward model: what verl
+"""Rule-based rewards for PPO (``ppo.reward.function``), in place of the reward model: what verl
 calls a reward function and OpenRLHF a ``reward_func``. A function takes the decoded prompts and
 answers of a rollout and returns one float per answer; the PPO step adds it at the answer's last
 token exactly where the reward model's score would go.
@@ -55,7 +55,7 @@ class RewardFunction:
         scores = list(self.fn(prompts, answers))
         if len(scores) != len(answers):
             raise ConfigError(
-                f"ppo.reward_function={self.name} returned {len(scores)} scores for "
+                f"ppo.reward.function={self.name} returned {len(scores)} scores for "
                 f"{len(answers)} answers; expected one float per answer"
             )
         values = []
@@ -66,7 +66,7 @@ class RewardFunction:
                 value = math.nan
             if not math.isfinite(value):
                 raise ConfigError(
-                    f"ppo.reward_function={self.name} returned {score!r} for answer {i} "
+                    f"ppo.reward.function={self.name} returned {score!r} for answer {i} "
                     f"({answers[i]!r}); expected a finite float"
                 )
             values.append(value)

@@ -1,13 +1,16 @@
-"""Where answers are decoded (ppo.rollout_engine), for the rollouts and the held-out evaluation
-alike. hf: the actor's own module in rlhf's KV-cached transformers loop; vllm: a colocated vLLM
-engine in this process (rlhf.rl.vllm_engine), given the actor's weights by :meth:`sync` after
-every update. Both take the same Sampling and return the same Rollout layout."""
+"""Where answers are decoded (ppo.rollout.engine), for the rollouts and the held-out evaluation
+alike: the :class:`Decoder` protocol and its engines. hf: the actor's own module in rlhf's
+KV-cached transformers loop; vllm: a colocated vLLM engine in this process
+(rlhf.rl.vllm_engine), which alone holds weights of its own (:class:`HoldsWeights`: given the
+actor's by ``sync`` after every update). Both take the same Sampling, per-row bounds and turn
+stops, and return the same Rollout layout; rlhf.rl.episodes plays whole episodes on either."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -46,14 +49,12 @@ def prompt_seeds(seed: int, count: int) -> list[int]:
     return [seed * 1_009 + i for i in range(count)]
 
 
-class HFDecoder:
-    """The transformers path: the actor engine's module decodes (ZeRO-3 on several ranks with
-    synced_gpus), its RNG seeded per batch."""
-
-    def __init__(self, cfg: Config, actor, pad_id: int, end_id: int):
-        self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
-        self.synced = cfg.actor.zero.stage == 3 and world_size() > 1
-        self.module = ModuleDecoder(actor.module, pad_id, end_id, self.synced)
+class Decoder(Protocol):
+    """What every decoder does: decode ``group_size`` answers to each prompt, in contiguous
+    rows, seeded by ``seed``; with ``logprobs_temperature`` each answer token's log-prob under
+    it. ``max_new``: one bound a prompt (its answers' most tokens; else
+    sampling.max_new_tokens), never past the model's positions; each answer ends inside the
+    decoding at end-of-text, at one of sampling.stop_sequences or at its bound."""
 
     def generate(
         self,
@@ -62,31 +63,56 @@ class HFDecoder:
         seed: int | None = None,
         group_size: int = 1,
         logprobs_temperature: float | None = None,
-    ) -> Rollout:
-        """``group_size`` answers to each prompt in contiguous rows; with
-        ``logprobs_temperature`` each answer token's log-prob under it. DeepSpeed-Chat's order:
-        ``engine.eval()`` (the hybrid engine swaps in its inference kernels) -> generate ->
-        ``engine.train()`` (the training kernels back before any log-prob or update)."""
-        self.actor.eval()
-        try:
-            return self.module.generate(prompts, sampling, seed, group_size, logprobs_temperature)
-        finally:
-            self.actor.train()
+        max_new: Sequence[int] | None = None,
+    ) -> Rollout: ...
 
-    def sync(self) -> None:
-        """Nothing to push: the actor decodes with its own weights."""
 
-    def release(self) -> None:
-        """Nothing is held between rollouts."""
+@runtime_checkable
+class HoldsWeights(Protocol):
+    """A decoder with its own copy of the actor's weights (vLLM): ``sync`` pushes the actor's
+    after an update, ``release`` frees its memory for the update, ``close`` tears it down."""
 
-    def close(self) -> None:
-        pass
+    def sync(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def weight_holder(decoder) -> HoldsWeights | None:
+    """The engine behind ``decoder`` (an episode player's inner one too) that holds weights of
+    its own, or None where the decoder decodes with the actor's."""
+    inner = getattr(decoder, "decoder", decoder)
+    return inner if isinstance(inner, HoldsWeights) else None
+
+
+def sync_weights(decoder) -> None:
+    """Give ``decoder``'s engine the actor's current weights (nothing where it uses them)."""
+    if (engine := weight_holder(decoder)) is not None:
+        engine.sync()
+
+
+def release_engine(decoder) -> None:
+    """The rollout is done: ``decoder``'s engine frees its memory (vLLM on a GPU sleeps)."""
+    if (engine := weight_holder(decoder)) is not None:
+        engine.release()
+
+
+def close_engine(decoder) -> None:
+    """Tear ``decoder``'s engine down at the end of the run."""
+    if (engine := weight_holder(decoder)) is not None:
+        engine.close()
+
+
+def expand_bounds(max_new: Sequence[int] | None, group_size: int) -> list[int] | None:
+    """One bound a row from one a prompt (its group's rows in contiguous order)."""
+    return None if max_new is None else [b for b in max_new for _ in range(group_size)]
 
 
 class ModuleDecoder:
-    """A model's own module decoding greedily or not, in whatever mode its caller set (SFT's
-    held-out episodes): the decoder interface of :class:`HFDecoder` without the engine's
-    mode switches."""
+    """A model's own module decoding (rlhf.rl.generation), in whatever mode its caller set (SFT's
+    held-out episodes, chat); ``synced``: ZeRO-3 on several ranks (every rank steps until all
+    have finished)."""
 
     def __init__(self, module: torch.nn.Module, pad_id: int, end_id: int, synced: bool):
         self.module, self.pad_id, self.end_id, self.synced = module, pad_id, end_id, synced
@@ -98,7 +124,9 @@ class ModuleDecoder:
         seed: int | None = None,
         group_size: int = 1,
         logprobs_temperature: float | None = None,
+        max_new: Sequence[int] | None = None,
     ) -> Rollout:
+        """See :class:`Decoder`."""
         rows = [list(p) for p in prompts for _ in range(group_size)]
         with seeded(seed, next(self.module.parameters()).device):
             return generate(
@@ -109,16 +137,38 @@ class ModuleDecoder:
                 sampling,
                 self.synced,
                 logprobs_temperature,
+                expand_bounds(max_new, group_size),
             )
 
-    def sync(self) -> None:
-        pass
 
-    def release(self) -> None:
-        pass
+class HFDecoder(ModuleDecoder):
+    """The transformers path: the actor engine's module decodes (ZeRO-3 on several ranks with
+    synced_gpus), its RNG seeded per batch, the engine switched to eval mode for it."""
 
-    def close(self) -> None:
-        pass
+    def __init__(self, cfg: Config, actor, pad_id: int, end_id: int):
+        synced = cfg.actor.zero.stage == 3 and world_size() > 1
+        super().__init__(actor.module, pad_id, end_id, synced)
+        self.actor = actor
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seed: int | None = None,
+        group_size: int = 1,
+        logprobs_temperature: float | None = None,
+        max_new: Sequence[int] | None = None,
+    ) -> Rollout:
+        """See :class:`Decoder`. DeepSpeed-Chat's order: ``engine.eval()`` (the hybrid engine
+        swaps in its inference kernels) -> generate -> ``engine.train()`` (the training
+        kernels back before any log-prob or update)."""
+        self.actor.eval()
+        try:
+            return super().generate(
+                prompts, sampling, seed, group_size, logprobs_temperature, max_new
+            )
+        finally:
+            self.actor.train()
 
 
 class VLLMDecoder:
@@ -126,7 +176,7 @@ class VLLMDecoder:
     answers' log-probs those of the distribution drawn from (the sampler's, always returned)."""
 
     def __init__(self, cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
-        settings = cfg.ppo.vllm
+        settings = cfg.ppo.rollout.vllm
         self.actor, self.pad_id, self.end_id = actor, pad_id, end_id
         self.zero_stage = cfg.actor.zero.stage
         self.bucket_bytes = settings.sync_bucket_mb << 20
@@ -140,14 +190,21 @@ class VLLMDecoder:
         seed: int | None = None,
         group_size: int = 1,
         logprobs_temperature: float | None = None,
+        max_new: Sequence[int] | None = None,
     ) -> Rollout:
-        """As :meth:`HFDecoder.generate`; the rollout always carries the sampler's log-probs
+        """See :class:`Decoder`; the rollout always carries the sampler's log-probs
         (``logprobs_temperature`` is the sampling temperature here by construction)."""
         if seed is None:  # every request is seeded: a resumed run draws the same answers
             seed, self.fallback_seed = self.fallback_seed, self.fallback_seed + 1
         seeds = prompt_seeds(seed, len(prompts))
         return self.engine.generate(
-            prompts, self.pad_id, self.end_id, sampling, seeds=seeds, group_size=group_size
+            prompts,
+            self.pad_id,
+            self.end_id,
+            sampling,
+            seeds=seeds,
+            group_size=group_size,
+            max_new=max_new,
         )
 
     def sync(self) -> None:
@@ -161,18 +218,19 @@ class VLLMDecoder:
         self.engine.sleep()
 
     def close(self) -> None:
+        """Tear the engine down (its process groups before the trainer's)."""
         self.engine.close()
 
 
 def engine_spec(cfg: Config, actor, dtype: str) -> EngineSpec:
-    """The engine of ``cfg.ppo.vllm`` for ``actor``: the KV cache sized for the most rows a
-    rank decodes at once (ppo.vllm.kv_cache_gb overrides it), and on a GPU the memory share
+    """The engine of ``cfg.ppo.rollout.vllm`` for ``actor``: the KV cache sized for the most rows a
+    rank decodes at once (ppo.rollout.vllm.kv_cache_gb overrides it), and on a GPU the memory share
     vLLM asks to find free from what the engine holds (gpu_memory_utilization overrides it)."""
-    settings = cfg.ppo.vllm
+    settings = cfg.ppo.rollout.vllm
     on_gpu = torch.cuda.is_available()
     max_model_len = cfg.data.max_prompt_len + max_new_tokens(cfg)
     rows = max(
-        cfg.ppo.per_device_generation_batch_size * cfg.ppo.num_samples_per_prompt, EVAL_BATCH_ROWS
+        cfg.ppo.rollout.per_device_batch_size * cfg.ppo.rollout.samples_per_prompt, EVAL_BATCH_ROWS
     )
     config = hf_model(actor).config
     if settings.kv_cache_gb is not None:
@@ -188,7 +246,9 @@ def engine_spec(cfg: Config, actor, dtype: str) -> EngineSpec:
     log.info(
         "vLLM engine: KV cache %.2f GiB (%s), %d tokens a sequence%s",
         cache_bytes / (1 << 30),
-        "ppo.vllm.kv_cache_gb" if settings.kv_cache_gb is not None else f"{rows} rows at once",
+        "ppo.rollout.vllm.kv_cache_gb"
+        if settings.kv_cache_gb is not None
+        else f"{rows} rows at once",
         max_model_len,
         f", asks for {share:.0%} of the GPU free" if on_gpu else "",
     )
@@ -213,10 +273,12 @@ def device_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def build_rollouts(cfg: Config, actor, pad_id: int, end_id: int, dtype: str):
-    """ppo.rollout_engine's decoder for ``actor`` (a DeepSpeed engine); vLLM's engine holds
+def build_rollouts(
+    cfg: Config, actor, pad_id: int, end_id: int, dtype: str
+) -> HFDecoder | VLLMDecoder:
+    """ppo.rollout.engine's decoder for ``actor`` (a DeepSpeed engine); vLLM's engine holds
     dummy weights until the first :meth:`VLLMDecoder.sync`."""
-    if cfg.ppo.rollout_engine == "hf":
+    if cfg.ppo.rollout.engine == "hf":
         return HFDecoder(cfg, actor, pad_id, end_id)
-    log.info("rollouts on vLLM (ppo.rollout_engine=vllm): building the engine")
+    log.info("rollouts on vLLM (ppo.rollout.engine=vllm): building the engine")
     return VLLMDecoder(cfg, actor, pad_id, end_id, dtype)

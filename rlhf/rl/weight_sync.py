@@ -1,8 +1,9 @@
 """The actor's weights as a rollout engine loads them: the Hugging Face model's full state dict
-(what save_pretrained writes, a tied lm_head included), LoRA merged into its base weights, ZeRO-3
-partitions gathered a bucket of modules at a time (:func:`rlhf.modeling.loading.gathered_tensors`, which
-exports use too) so the whole model is never gathered at once. Every rank of a ZeRO-3 run must
-iterate (the gathers are collective); the trained model is never modified."""
+(what save_pretrained writes, a tied lm_head included), LoRA merged into its base weights,
+ZeRO-3 partitions gathered a bucket of modules at a time
+(:func:`rlhf.modeling.export.gathered_tensors`, which exports use too) so the whole model is
+never gathered at once. Every rank of a ZeRO-3 run must iterate (the gathers are
+collective); the trained model is never modified."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlhf.modeling.loading import gathered_tensors, module_units, own_parameters, own_tensors
+from rlhf.modeling.export import gathered_tensors, module_units, own_parameters, own_tensors
 
 
 def hf_model(module: torch.nn.Module) -> torch.nn.Module:

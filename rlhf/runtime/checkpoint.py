@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
 CONFIG_FILE = "config.json"  # in each checkpoint: the config it was made under
+RESOLVED_FILE = "resolved.yaml"  # in each checkpoint and run dir: every auto value decided
 
 
 class CheckpointError(ConfigError):
@@ -94,13 +95,15 @@ def save(
     keep: int,
     write_files: Callable[[Path], list[Path]] | None = None,
     config: dict[str, Any] | None = None,
+    resolved: str | None = None,
 ) -> Path:
     """Collective: every rank must call it. Returns the checkpoint's directory. ``write_files``
     (called on every rank with the temporary directory; returns the files it wrote) adds a
     recipe's own files, e.g. state sharded over the ranks that must not pass through rank 0's
     trainer.pt. ``config``: the run's config (dataclasses.asdict), kept for
-    :func:`rlhf.runtime.resume.resume_problem`. Each rank hashes what it writes and writes its manifest
-    part."""
+    :func:`rlhf.runtime.resume.resume_problem`. ``resolved``: resolved.yaml's text, every auto
+    value as the run decided it (rlhf.config.resolve). Each rank hashes what it writes and
+    writes its manifest part."""
     started = time.perf_counter()
     root = checkpoint_dir(run_dir)
     final = root / f"step-{step:08d}"
@@ -122,6 +125,8 @@ def save(
             part.save({**trainer, "world_size": world_size()}, tmp / "trainer.pt")
             if config is not None:
                 part.write_text(tmp / CONFIG_FILE, json.dumps(config, default=str))
+            if resolved is not None:  # in the manifest like every file of the checkpoint
+                part.write_text(tmp / RESOLVED_FILE, resolved)
         part.write(rank(), world_size())
     # a full disk, a quota, a file-size limit (torch.save reports a failed write as a
     # RuntimeError from its zip writer)

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import RENAMED_KEYS
+from rlhf.config import RENAMED_KEYS, nest_flat
+from rlhf.config.resolve import AUTO_KEYS
 from rlhf.runtime.checkpoint import CONFIG_FILE, CheckpointError, checkpoint_dir, step_dirs
 from rlhf.runtime.dist import barrier, from_main, gather_lists, is_main, rank, world_size
 from rlhf.runtime.files import dir_size
@@ -42,7 +43,7 @@ from rlhf.runtime.manifest import (
 log = logging.getLogger(__name__)
 
 # what a resumed run may change: where files go, how often it logs, evaluates and checkpoints,
-# what its evaluations sample, injected faults, the resume mode ("ppo.eval_": every ppo.eval_*)
+# what its evaluations sample, injected faults, the resume mode ("ppo.eval": every ppo.eval.*)
 RESUMABLE = (
     "logger",
     "debug",
@@ -64,8 +65,8 @@ RESUMABLE = (
     "reward.gold_policy",
     "reward.gold_eval_prompts",
     "reward.gen_max_new_tokens",
-    "ppo.eval_",
-    "ppo.logprob_gap_interval",
+    "ppo.eval",
+    "ppo.rollout.logprob_gap_interval",
 )
 
 
@@ -237,9 +238,15 @@ def resume_point(run_dir: Path, mode: str) -> Path | None:
 
 
 def saved_config(path: Path) -> dict[str, Any] | None:
-    """The config a checkpoint was made under (None: it predates config.json)."""
+    """The config a checkpoint was made under (None: it predates config.json), PPO's keys in
+    their sections whichever version wrote it (they were flat before issue 49)."""
     file = Path(path) / CONFIG_FILE
-    return json.loads(file.read_text()) if file.is_file() else None
+    if not file.is_file():
+        return None
+    saved = json.loads(file.read_text())
+    if isinstance(saved, dict) and isinstance(saved.get("ppo"), dict):
+        saved["ppo"] = nest_flat(saved["ppo"])
+    return saved
 
 
 def flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -260,7 +267,8 @@ def config_differences(
 ) -> list[str]:
     """'key: A there, B here' for each key that matters (not in RESUMABLE nor in a section the
     step does not read, ``unread``) and differs. A key renamed since the checkpoint was written
-    is compared under its new name."""
+    is compared under its new name; an auto value saved before configs were resolved (issue
+    49) matches what it resolves to here."""
     there = {RENAMED_KEYS.get(k, k): v for k, v in flat(saved).items()}
     here = flat(json.loads(json.dumps(current, default=str)))
     absent = "(absent)"
@@ -270,6 +278,7 @@ def config_differences(
         if not resumable(key)
         and key.split(".")[0] not in unread
         and there.get(key, absent) != here.get(key, absent)
+        and not (key in AUTO_KEYS and there.get(key, absent) == AUTO_KEYS[key])
     ]
 
 

@@ -6,7 +6,7 @@ apply exactly as in a single-step run; every step's config is composed (and, by 
 point, validated) before the first one runs. Re-running in the same run dir
 (``hydra.run.dir=...``) skips the steps whose outputs are complete.
 
-With ``ppo.reward_function`` set no reward model is used, so none is trained: the pipeline is
+With ``ppo.reward.function`` set no reward model is used, so none is trained: the pipeline is
 SFT -> PPO and the critic starts from the SFT export.
 
 ``pipeline.share_dir=DIR``: the steps before the algorithm's own (SFT, the reward model) run in
@@ -34,7 +34,7 @@ from rlhf.runtime.dist import from_main, is_main
 from rlhf.runtime.locks import exclusive
 from rlhf.runtime.resume import flat, resumable
 from rlhf.steps import dpo, ppo, report, reward, sft
-from rlhf.steps.loop import RunInfo
+from rlhf.steps.loop import RunInfo, write_resolved
 from rlhf.tracking import plain
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def compose_steps(
         return cfg
 
     steps = config.pipeline.steps
-    with_reward = "ppo" in steps and composed("ppo", []).ppo.reward_function is None
+    with_reward = "ppo" in steps and composed("ppo", []).ppo.reward.function is None
     order = pipeline(steps, with_reward)
     out: dict[str, DictConfig] = {}
     dirs: dict[str, Path] = {}
@@ -148,7 +148,9 @@ def run(
     """Run the pipeline: ``steps`` maps each step to its typed and resolved config; ``shared``
     the steps that run in pipeline.share_dir, and where (see shared_dirs)."""
     if "ppo" in steps and "reward" not in steps:
-        log.info("step=all: ppo.reward_function is set, so no reward model is trained (sft -> ppo)")
+        log.info("step=all: ppo.reward.function is set, so no reward model is trained (sft -> ppo)")
+    if is_main():  # the pipeline's own config; each step writes its own in its directory
+        write_resolved(info)
     group = info.group or info.run_dir.name
     summary: dict[str, float] = {}
     step_dirs, summaries, skipped = {}, {}, set()

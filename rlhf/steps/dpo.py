@@ -16,19 +16,20 @@ import math
 
 import torch
 
-from rlhf.algos.preference import REFERENCE_FREE
-from rlhf.config import Config
-from rlhf.data.collate import pair_batch
-from rlhf.data.prepare import phase_dataset
-from rlhf.data.sampling import row_lengths
-from rlhf.evaluators.held_out import (
+from rlhf.algos.preference import (
     PREFERENCE_STATS,
-    DPOEvaluator,
+    REFERENCE_FREE,
     answer_logprobs,
     preference_sums,
     preference_terms,
 )
-from rlhf.modeling.loading import AdaptersOff, load_causal_lm, reference_is_base
+from rlhf.config import Config
+from rlhf.data.collate import pair_batch
+from rlhf.data.prepare import phase_dataset
+from rlhf.data.sampling import row_lengths
+from rlhf.evaluators.preference_scores import DPOEvaluator
+from rlhf.modeling.loading import load_causal_lm
+from rlhf.modeling.peft_lora import AdaptersOff, reference_is_base
 from rlhf.runtime.dist import all_reduce_sum
 from rlhf.runtime.engine import initialize_frozen
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf.config import Config, ConfigError
+from rlhf.config.resolve import resolved_yaml
 from rlhf.runtime import checkpoint, resume
 from rlhf.runtime.dist import all_ranks, is_main, max_over_ranks, rank
 from rlhf.tracking import Throughput, Tracker, peak_memory_gb
@@ -33,7 +34,13 @@ class RunInfo:
     run_dir: Path
     run_name: str
     group: str | None
-    config: dict[str, Any]  # the resolved config, for W&B and the run dir
+    # the resolved config (rlhf.config.resolve.ResolvedValues: every auto value decided, the
+    # keys read from model files marked), for resolved.yaml, checkpoints, W&B and TensorBoard
+    config: dict[str, Any]
+
+    def resolved_yaml(self) -> str:
+        """resolved.yaml's text: the run's config, the values from model files marked."""
+        return resolved_yaml(self.config, getattr(self.config, "from_model", frozenset()))
 
 
 @dataclass
@@ -54,6 +61,16 @@ class TrainState:
         if self.step_in_epoch == steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
+
+
+def write_resolved(info: RunInfo) -> Path:
+    """<run_dir>/resolved.yaml, replaced whole (a reader never sees half of it)."""
+    path = Path(info.run_dir) / checkpoint.RESOLVED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(info.resolved_yaml())
+    os.replace(tmp, path)
+    return path
 
 
 def total_steps(plan, epochs: int, max_steps: int, too_few: str) -> int:
@@ -200,6 +217,8 @@ class Run:
             enabled=is_main(),
             resume=resumed.get("tracker"),
         )
+        if is_main():  # what the run runs with, whether it starts or resumes
+            write_resolved(info)
         self.guard = NonFiniteGuard(cfg.step.max_nonfinite_steps, *engines.values())
         self.extra_state: Callable[[], dict[str, Any]] = dict  # the recipe's own, for checkpoints
         # the recipe's own files in a checkpoint (every rank; called with its directory, returns
@@ -249,6 +268,7 @@ class Run:
             self.cfg.step.keep_checkpoints,
             self.extra_files,
             config=asdict(self.cfg),  # resume=auto continues only the same config
+            resolved=self.info.resolved_yaml(),
         )
 
     @contextmanager

@@ -31,29 +31,31 @@ def ppo_update(
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over this iteration's rollout (its generation batches concatenated)
     in shuffled micro batches; each optimizer step is normalised by the response tokens (or
-    answers: ppo.loss_aggregation) of the whole global step. Stops early when the epoch's
-    approx-KL exceeds ``ppo.target_kl``. kl_coef: the KL term's weight with ppo.kl_in_loss.
-    The first ppo.critic_warmup_steps iterations train the critic only. With
-    ppo.on_policy_shortcut the forward fills ``rollout.old_logprobs`` in place."""
+    answers: ppo.loss.aggregation) of the whole global step. Stops early when the epoch's
+    approx-KL exceeds ``ppo.update.target_kl``. kl_coef: the KL term's weight with ppo.kl.in_loss.
+    The first ppo.update.critic_warmup_steps iterations train the critic only. With
+    ppo.update.on_policy_shortcut the forward fills ``rollout.old_logprobs`` in place."""
     ppo = cfg.ppo
-    train_actor = state.global_step >= ppo.critic_warmup_steps
-    steps = -(-len(rollout.scores) // (ppo.per_device_training_batch_size * ppo.grad_accum))
-    if ppo.on_policy_shortcut and (ppo.ppo_epochs * steps > 1 or not train_actor):
-        raise RuntimeError(f"on_policy_shortcut with {ppo.ppo_epochs} epochs x {steps} steps")
+    train_actor = state.global_step >= ppo.update.critic_warmup_steps
+    steps = -(-len(rollout.scores) // (ppo.update.per_device_batch_size * ppo.update.grad_accum))
+    if ppo.update.on_policy_shortcut and (ppo.update.epochs * steps > 1 or not train_actor):
+        raise RuntimeError(f"on_policy_shortcut with {ppo.update.epochs} epochs x {steps} steps")
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
     totals: dict[str, float] = {}
     epochs_run = 0
-    for _ in range(ppo.ppo_epochs):
+    for _ in range(ppo.update.epochs):
         order = torch.randperm(len(rollout.scores), generator=generator)
         epoch_totals: dict[str, float] = {}
-        for step_rows in order.split(ppo.per_device_training_batch_size * ppo.grad_accum):
+        for step_rows in order.split(ppo.update.per_device_batch_size * ppo.update.grad_accum):
             micro = [
                 rollout.rows(rows.to(rollout.scores.device))
-                for rows in step_rows.split(ppo.per_device_training_batch_size)
+                for rows in step_rows.split(ppo.update.per_device_batch_size)
             ]
             step = train_step(models, micro, cfg, ptx, guard, kl_coef, train_actor)
-            if ppo.on_policy_shortcut:  # what the forward filled in the micro batches' copies
-                for rows, exp in zip(step_rows.split(ppo.per_device_training_batch_size), micro):
+            if (
+                ppo.update.on_policy_shortcut
+            ):  # what the forward filled in the micro batches' copies
+                for rows, exp in zip(step_rows.split(ppo.update.per_device_batch_size), micro):
                     rollout.old_logprobs[rows.to(rollout.scores.device)] = exp.old_logprobs
             for key, value in step.items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
@@ -62,12 +64,12 @@ def ppo_update(
         for key, value in epoch_totals.items():
             totals[key] = totals.get(key, 0.0) + value
         epoch_kl = epoch_totals["approx_kl_sum"] / max(epoch_totals["targets"], 1.0)
-        if ppo.target_kl is not None and epoch_kl > ppo.target_kl:
+        if ppo.update.target_kl is not None and epoch_kl > ppo.update.target_kl:
             log.info(
                 "PPO epoch %d: approx_kl %.4f > target %.4f, stopping this iteration's epochs",
                 epochs_run,
                 epoch_kl,
-                ppo.target_kl,
+                ppo.update.target_kl,
             )
             break
     targets, units = max(totals["targets"], 1.0), max(totals["units"], 1.0)
@@ -78,7 +80,7 @@ def ppo_update(
     return {
         "ppo/actor_loss": totals["actor_loss_sum"] / units,
         **(critic if models.critic is not None else {}),
-        **({"ppo/kl_loss": totals["kl_loss_sum"] / units} if ppo.kl_in_loss else {}),
+        **({"ppo/kl_loss": totals["kl_loss_sum"] / units} if ppo.kl.in_loss else {}),
         "ppo/approx_kl": totals["approx_kl_sum"] / targets,
         "ppo/clipfrac": totals["clipfrac_sum"] / targets,
         "ppo/entropy": totals["entropy_sum"] / targets,
@@ -98,9 +100,9 @@ def train_step(
     kl_coef: float,
     train_actor: bool = True,
 ) -> dict[str, float]:
-    """One optimizer step of the actor (unless ``train_actor`` is false: ppo.critic_warmup_steps)
+    """One optimizer step of the actor (unless ``train_actor`` is false: ppo.update.critic_warmup_steps)
     and one of the critic (if any) over this rank's micro batches. The actor's loss is a mean
-    over the global step's tokens or answers (ppo.loss_aggregation): each micro batch's mean is
+    over the global step's tokens or answers (ppo.loss.aggregation): each micro batch's mean is
     weighted by its share of them."""
     ppo = cfg.ppo
     aggregation = registry.loss_aggregation(ppo)
@@ -110,8 +112,8 @@ def train_step(
     global_targets, global_tokens, global_units = all_reduce_sum(
         local_targets, local_tokens, local_units
     )
-    scale = algos.token_loss_scale(global_targets, world_size(), ppo.grad_accum)
-    actor_scale = algos.token_loss_scale(global_units, world_size(), ppo.grad_accum)
+    scale = algos.token_loss_scale(global_targets, world_size(), ppo.update.grad_accum)
+    actor_scale = algos.token_loss_scale(global_units, world_size(), ppo.update.grad_accum)
     out = dict.fromkeys(
         (
             "actor_loss_sum",
@@ -130,7 +132,9 @@ def train_step(
         n = float(exp.response_mask.sum())
         units = algos.aggregation_units(exp.response_mask, aggregation)
         start = exp.prompt_width - 1
-        packing = pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if ppo.packing else None
+        packing = (
+            pack_rows(exp.sequences, exp.attention_mask, pad_id=0) if ppo.update.packing else None
+        )
         if train_actor:
             loss, stats = actor_loss(models, exp, cfg, kl_coef, aggregation, packing)
             loss = loss * units * actor_scale
@@ -138,7 +142,7 @@ def train_step(
                 unsup = ptx.loss(models.actor)
                 # DeepSpeed averages over ranks and divides by grad_accum: this leaves
                 # unsup_coef x the mean PTX loss of the global step
-                loss = loss + ppo.unsup_coef * unsup * ppo.grad_accum / len(micro)
+                loss = loss + ppo.ptx.coef * unsup * ppo.update.grad_accum / len(micro)
                 out["unsup_loss"] += unsup.item()
             if guard.finite(loss):
                 models.actor.backward(loss)
@@ -153,7 +157,7 @@ def train_step(
                 models.critic, exp.sequences, exp.attention_mask, start, packing
             )
             critic_loss, vstats = algos.value_loss(
-                values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.clip_range_value
+                values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.loss.value_clip
             )
             if guard.finite(critic_loss):
                 models.critic.backward(critic_loss * n * scale)
@@ -177,14 +181,14 @@ def actor_loss(
     models: Models, exp: Experience, cfg: Config, kl_coef: float, aggregation: str, packing
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A micro batch's actor loss, the mean over its tokens or answers (``aggregation``): the
-    policy loss (ppo.policy_loss), less the entropy bonus, plus with ppo.kl_in_loss kl_coef x
+    policy loss (ppo.loss.policy), less the entropy bonus, plus with ppo.kl.in_loss kl_coef x
     the KL to the reference; and its stats (actor_loss, kl_loss, approx_kl, clipfrac, entropy,
     ratio_max)."""
     ppo = cfg.ppo
     start = exp.prompt_width - 1
-    temperature = 1.0 if ppo.greedy else ppo.temperature
+    temperature = 1.0 if ppo.rollout.greedy else ppo.rollout.temperature
     fp32 = cfg.actor.optim.compute_fp32_loss
-    truncation = (ppo.top_k, ppo.top_p) if ppo.truncates else None
+    truncation = (ppo.rollout.top_k, ppo.rollout.top_p) if ppo.rollout.truncates else None
     logprobs, logits = response_logprobs(
         models.actor,
         exp.sequences,
@@ -195,7 +199,7 @@ def actor_loss(
         packing,
         truncation,
     )
-    if ppo.on_policy_shortcut:  # the first and only step on these answers: pi_old is pi
+    if ppo.update.on_policy_shortcut:  # the first and only step on these answers: pi_old is pi
         exp.old_logprobs.copy_(logprobs.detach())
     clip_low, clip_high = registry.clip_range(ppo)
     token_loss, stats = registry.policy_loss(ppo).compute(
@@ -205,7 +209,7 @@ def actor_loss(
         exp.response_mask,
         clip_low,
         clip_high,
-        ppo.dual_clip,
+        ppo.loss.dual_clip,
     )
     if exp.sampler_logprobs is not None:  # another engine sampled: weigh (or mask) its tokens
         weights, _, _ = registry.rollout_correction(ppo)(
@@ -215,14 +219,14 @@ def actor_loss(
     max_tokens = max_new_tokens(cfg)
     policy = algos.aggregate_loss(token_loss, exp.response_mask, aggregation, max_tokens)
     # the (B, R, V) entropy graph only when it is trained; otherwise it is only logged
-    with torch.set_grad_enabled(ppo.entropy_coef > 0):
+    with torch.set_grad_enabled(ppo.loss.entropy_coef > 0):
         per_token = algos.entropy_from_logits(logits.float())
         entropy_term = algos.aggregate_loss(per_token, exp.response_mask, aggregation, max_tokens)
-    loss = policy - ppo.entropy_coef * entropy_term
+    loss = policy - ppo.loss.entropy_coef * entropy_term
     kl_term = torch.zeros(())
-    if ppo.kl_in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
+    if ppo.kl.in_loss:  # GRPO: the KL to the reference as a loss term, not in the reward
         ref_logits = None
-        if registry.kl_needs_logits(ppo.kl_estimator):  # the reference's, for this micro batch
+        if registry.kl_needs_logits(ppo.kl.estimator):  # the reference's, for this micro batch
             with torch.no_grad():
                 _, ref_logits = response_logprobs(
                     models.reference,
@@ -237,7 +241,7 @@ def actor_loss(
             logprobs,
             exp.ref_logprobs,
             exp.response_mask,
-            ppo.kl_estimator,
+            ppo.kl.estimator,
             aggregation,
             logits,
             ref_logits,

@@ -59,8 +59,8 @@ EVAL_SHARE_ALARM = 0.25  # evaluation's share of a step's wall time worth a word
 EVAL_KEYS = {
     "sft": "data.max_eval_rows, sft.gold_eval_prompts, step.eval_interval",
     "reward": "data.max_eval_rows, reward.gold_eval_prompts, step.eval_interval",
-    "ppo": "ppo.eval_prompts, ppo.eval_samples, step.eval_interval, step.eval_at_start=false",
-    "dpo": "ppo.eval_prompts, ppo.eval_samples, data.max_eval_rows, step.eval_at_start=false",
+    "ppo": "ppo.eval.prompts, ppo.eval.samples, step.eval_interval, step.eval_at_start=false",
+    "dpo": "ppo.eval.prompts, ppo.eval.samples, data.max_eval_rows, step.eval_at_start=false",
 }
 
 
@@ -123,7 +123,7 @@ def _unterminated(step: str, summary: dict[str, Any]) -> str | None:
     if share is None or share < 0.5:
         return None
     return (
-        f"{share:.0%} of the last rollout's answers were cut at ppo.max_new_tokens (the reward "
+        f"{share:.0%} of the last rollout's answers were cut at ppo.rollout.max_new_tokens (the reward "
         "model scores them at a token it never saw last)"
     )
 

@@ -26,15 +26,10 @@ from rlhf.config import SHARED_PROMPT_LOSSES, Config, ConfigError
 from rlhf.data.collate import pair_batch, ranked_batch
 from rlhf.data.packing import gather_positions, shared_prompt_mask, shared_prompt_pair_batch
 from rlhf.data.sampling import row_lengths
-from rlhf.evaluators.held_out import PairEvaluator, gold_correlation
-from rlhf.modeling.loading import (
-    STATS_FILE,
-    apply_lora,
-    config_mask_problem,
-    export_pretrained,
-    fast_path,
-    load_value_model,
-)
+from rlhf.evaluators.pair_scores import PairEvaluator, gold_correlation
+from rlhf.modeling.export import export_pretrained
+from rlhf.modeling.loading import STATS_FILE, config_mask_problem, fast_path, load_value_model
+from rlhf.modeling.peft_lora import apply_lora
 from rlhf.runtime.dist import all_reduce_sum
 from rlhf.runtime.engine import BatchShape, ds_config, initialize, model_device
 from rlhf.steps.loop import NonFiniteGuard, Run, RunInfo

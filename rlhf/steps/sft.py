@@ -19,7 +19,7 @@ from rlhf.config import Config
 from rlhf.data.collate import count_targets, rows_at, sft_batch
 from rlhf.data.packing import model_inputs, packed_batch, packed_sft_batches
 from rlhf.data.sampling import EpochPlan, row_lengths
-from rlhf.evaluators.held_out import SFTEvaluator
+from rlhf.evaluators.perplexity import SFTEvaluator
 from rlhf.modeling.loading import config_mask_problem, fast_path
 from rlhf.runtime.dist import all_reduce_sum, rank
 from rlhf.runtime.engine import BatchShape

@@ -21,17 +21,17 @@ from rlhf.config import Config
 from rlhf.data.collate import rows_at
 from rlhf.data.prepare import phase_dataset
 from rlhf.data.sampling import EpochPlan
+from rlhf.modeling.export import export_pretrained
 from rlhf.modeling.loading import (
-    apply_lora,
     attention,
     end_of_text_id,
-    export_pretrained,
     load_causal_lm,
     load_tokenizer,
     log_attention,
     model_path,
     model_type,
 )
+from rlhf.modeling.peft_lora import apply_lora
 from rlhf.runtime.dist import rank, world_size
 from rlhf.runtime.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
 from rlhf.steps.loop import Run, total_steps

@@ -29,6 +29,11 @@ from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+# An environment's row says where each answer's observations are: ``chosen_obs_spans`` (and
+# ``rejected_obs_spans``, ``response_obs_spans``), a list of [start, end) character spans of the
+# answer's text. Those characters are the environment's, not the model's: SFT does not imitate
+# them, DPO's log-ratios and the reward model's mean score leave them out.
+OBS_SPANS = "_obs_spans"
 
 # name -> "module:attribute" of the built-in tasks (imported when first asked for)
 BUILTIN = {
@@ -59,7 +64,7 @@ class Grade:
 @runtime_checkable
 class Task(Protocol):
     """What a task provides. ``rows`` and ``grade`` are required; ``corpus`` (plain text for
-    PPO's PTX loss) and ``rewards`` (rule-based rewards by name, for ``ppo.reward_function``)
+    PPO's PTX loss) and ``rewards`` (rule-based rewards by name, for ``ppo.reward.function``)
     are optional."""
 
     name: str
@@ -69,7 +74,8 @@ class Task(Protocol):
 
     def rows(self, split: str, num_rows: int, seed: int, num_ranked: int = 0) -> list[dict]:
         """``num_rows`` rows of ``split`` ("train" | "test"): prompt, chosen, rejected (and
-        ``responses``, K answers best first, when ``num_ranked`` = K > 0); a pure function."""
+        ``responses``, K answers best first, when ``num_ranked`` = K > 0; an environment's rows
+        also ``<answer>_obs_spans``, see :data:`OBS_SPANS`); a pure function."""
         ...
 
     def grade(self, prompt: str, response: str) -> Grade:
@@ -156,7 +162,7 @@ def resolve(name: str) -> Task:
 
 
 def rewards(task: Task) -> Mapping[str, ScoreFn]:
-    """The rule-based rewards a task offers, by the name ``ppo.reward_function`` uses."""
+    """The rule-based rewards a task offers, by the name ``ppo.reward.function`` uses."""
     return getattr(task, "rewards", {}) or {}
 
 
@@ -179,7 +185,7 @@ def corpus(task: Task, num_texts: int, seed: int) -> list[str]:
     """Plain text of the task's world for PPO's PTX loss; TaskError when it has none."""
     make: Any = getattr(task, "corpus", None)
     if make is None:
-        raise TaskError(f"task {task.name} has no corpus (give ppo.unsup_source a text file)")
+        raise TaskError(f"task {task.name} has no corpus (give ppo.ptx.source a text file)")
     return list(make(num_texts, seed))
 
 
@@ -187,7 +193,7 @@ REWARD_ACCEPTED = "a task's reward (toy_gold) or package.module:function, a call
 
 
 def resolve_reward(name: str, prefer: Sequence[str] = ()) -> ScoreFn:
-    """The rule-based reward a ``ppo.reward_function`` value names: a built-in task's (``toy_gold``;
+    """The rule-based reward a ``ppo.reward.function`` value names: a built-in task's (``toy_gold``;
     ``prefer``'s task's where it offers one) or ``package.module:function``; ValueError saying why
     not."""
     builtin = builtin_reward(name, prefer)

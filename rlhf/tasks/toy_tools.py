@@ -14,7 +14,9 @@ the calculator's observation, and the model writes its answer in the next turn::
     direct       " The answer is 579."             (one turn, no call)
 
 Rows follow rm-static's schema (``prompt``, ``response``, ``chosen``, ``rejected``, each answer
-with its leading space) plus ``uses_tool`` (whether the demonstration calls the calculator) and
+with its leading space) plus, for each answer, where its observations are (``chosen_obs_spans``:
+[start, end) character spans, :func:`observation_spans`; SFT, DPO and the reward model's mean
+score leave those characters' tokens out), ``uses_tool`` (whether the demonstration calls the calculator) and
 ``rejected_kind`` (:data:`REJECTED_KINDS`). Demonstrators are always right but call the tool
 only in :data:`TOOL_SHARE` of the demonstrations, so SFT alone mostly teaches direct answers it
 cannot get right. The comparisons prefer the right value: ``chosen`` is a correct transcript, a
@@ -34,15 +36,33 @@ answer sentence. ``toy_gold`` (:func:`toy_tools_gold`) is 1 for a transcript wit
 
 from __future__ import annotations
 
-import operator
 import random
-import re
 import zlib
-from collections.abc import Sequence
 from types import MappingProxyType
-from typing import NamedTuple
 
-from rlhf.tasks import Episode, Grade, Step
+from rlhf.tasks import OBS_SPANS, Episode, Grade, Step
+from rlhf.tasks.calculator import (
+    _CALCULATOR_OPS,
+    CALL_CLOSE,
+    OPERANDS,
+    OPERATIONS,
+    Problem,
+    answer_sentence,
+    calculate,
+    observation,
+    observation_spans,
+    step,
+    tool_call,
+)
+from rlhf.tasks.toy_tools_grading import (
+    QUESTIONS,
+    _is_problem,
+    final_answer,
+    grade,
+    parse_prompt,
+    toy_tools_gold,
+    toy_tools_prompt,
+)
 
 __all__ = [
     "CHOSEN_TOOL_SHARE",
@@ -61,6 +81,7 @@ __all__ = [
     "generate_rows",
     "grade",
     "observation",
+    "observation_spans",
     "parse_prompt",
     "step",
     "tool_call",
@@ -70,7 +91,7 @@ __all__ = [
 ]
 
 # Bump when the rows of any (split, num_rows, seed) change: tokenised datasets are cached under it.
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 
 # A minority of tool demonstrations: SFT makes the tool known without making it the habit, so
 # that using it more is what RLHF has to learn.
@@ -79,17 +100,6 @@ TOOL_SHARE = 0.3
 # a right direct answer is one the model cannot check, and at 0.7 the reward model (0.71 of the
 # held-out pairs ranked right) moved PPO's sampled tool use only from 0.30 to 0.53 at kl_coef 0.3.
 CHOSEN_TOOL_SHARE = 0.9
-
-QUESTIONS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?")
-OPERATIONS = ("+", "-")
-OPERANDS = range(100, 1000)
-
-CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
-# The calculator also multiplies: a model may try it, and a working call is no tool error.
-_CALCULATOR_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-# At most 9 digits an operand, so that no call yields an observation longer than a short turn.
-_EXPRESSION = re.compile(r"\s*(\d{1,9})\s*([-+*])\s*(\d{1,9})\s*")
-_METRIC_NAMES = ("tool_calls", "tool_errors")
 
 # Every rejected answer has a wrong final value or none; see :func:`_rejected`. ``unanswered``
 # (a call and its result, then no answer sentence): without it the reward model never saw a
@@ -112,184 +122,7 @@ _MALFORMED_CALLS = (
 )
 _OP_WORDS = {"+": "plus", "-": "minus"}
 
-_STOPS = ("Human:", "Assistant:", "</s>")
 
-
-class Problem(NamedTuple):
-    """One question, independent of its phrasing: ``a op b``."""
-
-    a: int
-    op: str
-    b: int
-
-    @property
-    def value(self) -> int:
-        return _CALCULATOR_OPS[self.op](self.a, self.b)
-
-    @property
-    def expression(self) -> str:
-        """The call's text, spaced as the question writes it ("123 + 456"): the byte-level BPE
-        then gives the numbers the very tokens they have in the prompt (" 12", "3"), so a call is
-        a copy of the question's tokens; unspaced, "123+456" would be spelt digit by digit."""
-        return f"{self.a} {self.op} {self.b}"
-
-
-# ---------------------------------------------------------------------------------------------- the calculator
-def calculate(expression: str) -> int | None:
-    """The value of ``int op int`` (op: + - *, spaces around allowed), None for anything else.
-    A regex, never eval: the expression is model output."""
-    match = _EXPRESSION.fullmatch(expression)
-    if match is None:
-        return None
-    a, op, b = match.groups()
-    return _CALCULATOR_OPS[op](int(a), int(b))
-
-
-def observation(value: int | None) -> str:
-    """What the calculator answers: " = 579", or " = error" when it could not evaluate the call."""
-    return " = error" if value is None else f" = {value}"
-
-
-def tool_call(expression: str) -> str:
-    """A model turn calling the calculator: " <call> 123 + 456</call>"."""
-    return f" {CALL_OPEN} {expression}{CALL_CLOSE}"
-
-
-def answer_sentence(value: int) -> str:
-    """The final answer turn: " The answer is 579."."""
-    return f" The answer is {value}."
-
-
-def _called_expression(turn: str) -> str | None:
-    """The expression of the call that ends ``turn``, None when the turn ends without one (a
-    direct answer). A closing tag with no opening one gives "", which the calculator rejects."""
-    body = turn.rstrip()
-    if not body.endswith(CALL_CLOSE):
-        return None
-    body = body.removesuffix(CALL_CLOSE)
-    opened = body.rfind(CALL_OPEN)
-    return "" if opened < 0 else body[opened + len(CALL_OPEN) :]
-
-
-def step(episode: Episode, turn: str) -> Step:
-    """The environment's answer to a model turn: the calculator's observation after a call, the
-    end of the episode after anything else. The same metric keys every time, so that their
-    means an episode are over all episodes. No reward: the reward model or toy_gold scores."""
-    expression = _called_expression(turn) if isinstance(turn, str) else None
-    if expression is None:
-        return Step(done=True, metrics=dict.fromkeys(_METRIC_NAMES, 0.0))
-    value = calculate(expression)
-    metrics = {"tool_calls": 1.0, "tool_errors": float(value is None)}
-    return Step(observation=observation(value), metrics=metrics)
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-def toy_tools_prompt(question: str) -> str:
-    return f"\n\nHuman: {question}\n\nAssistant:"
-
-
-def _question_pattern(template: str) -> re.Pattern[str]:
-    placeholders = template.format(a="AAA", op="OOO", b="BBB")
-    pattern = re.escape(placeholders)
-    return re.compile(
-        pattern.replace("AAA", r"(\d{3})").replace("OOO", r"([-+])").replace("BBB", r"(\d{3})")
-    )
-
-
-_QUESTION_PATTERNS = tuple(_question_pattern(q) for q in QUESTIONS)
-
-
-def _is_problem(problem: Problem) -> bool:
-    """Whether the task asks ``problem``: operands of 100..999, a subtraction's value >= 0."""
-    in_range = problem.a in OPERANDS and problem.b in OPERANDS
-    return in_range and problem.op in OPERATIONS and (problem.op == "+" or problem.a >= problem.b)
-
-
-def parse_prompt(prompt: str) -> Problem | None:
-    """The problem a toy_tools prompt asks, None for any other prompt (toy's "What is 3 + 4?"
-    too). The question is the text between the last "Human:" and the next "Assistant:"."""
-    if not isinstance(prompt, str):
-        return None
-    question = prompt.rsplit("Human:", 1)[-1].split("Assistant:", 1)[0].strip()
-    for pattern in _QUESTION_PATTERNS:
-        match = pattern.fullmatch(question)
-        if match is not None:
-            a, op, b = match.groups()
-            problem = Problem(int(a), op, int(b))
-            return problem if _is_problem(problem) else None
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- grading
-# An observation as the calculator writes it, or as a model imitating it does.
-_OBSERVATION_TEXT = r"\s*=\s*(?:-?\d+|error)"
-_OBSERVED = re.compile(_OBSERVATION_TEXT)
-_ANSWER = re.compile(r"the answer is (-?\d+)", re.IGNORECASE)
-_INTEGER = re.compile(r"-?\d+")
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
-# A clean transcript: calls, each with or without its observation (a reward function may see the
-# model's tokens only), then the answer sentence; whitespace between them is free.
-_CLEAN = re.compile(
-    rf"(?:\s*{re.escape(CALL_OPEN)}[^<]*{re.escape(CALL_CLOSE)}(?:{_OBSERVATION_TEXT})?)*"
-    r"\s*The answer is -?\d+\.\s*"
-)
-
-
-def _answer_text(response: str) -> str:
-    """The part of a response that counts: up to the first "Human:", "Assistant:" or "</s>"
-    (a model that runs on into a new dialogue turn); pads removed."""
-    for stop in _STOPS:
-        response = response.split(stop, 1)[0]
-    return response.replace("<pad>", "")
-
-
-def _after_tools(text: str) -> str:
-    """The text after the last call and its observation, without an unclosed call at its end:
-    the only place a final answer can be, so that no number of a call or observation counts."""
-    _, closed, tail = text.rpartition(CALL_CLOSE)
-    if closed:
-        observed = _OBSERVED.match(tail)
-        tail = tail[observed.end() :] if observed else tail
-    return tail.split(CALL_OPEN, 1)[0]
-
-
-def final_answer(response: str) -> int | None:
-    """The answer a transcript ends on: after the last call and its observation, the value of
-    the last "The answer is N" (any case), or without one the last integer; None for none."""
-    tail = _after_tools(_answer_text(response))
-    values = _ANSWER.findall(tail) or _INTEGER.findall(tail)
-    return int(values[-1]) if values else None
-
-
-def _is_clean(response: str) -> bool:
-    """Calls the calculator evaluates (each with or without its observation), then the answer
-    sentence, and nothing else."""
-    text = _answer_text(response)
-    calls = _CALL.findall(text)
-    return bool(_CLEAN.fullmatch(text)) and all(calculate(c) is not None for c in calls)
-
-
-def grade(prompt: str, response: str) -> Grade:
-    """The verdict on a transcript (model turns and observations, as appended) for a toy_tools
-    ``prompt``. ``correct``: :func:`final_answer` is the problem's value; ``clean``: the
-    transcript is well-formed (:func:`_is_clean`). Grade(False, False) for a prompt of another
-    task, a response that is no string, or anything else that goes wrong; never raises."""
-    try:
-        problem = parse_prompt(prompt)
-        if problem is None or not isinstance(response, str):
-            return Grade(correct=False, clean=False)
-        return Grade(correct=final_answer(response) == problem.value, clean=_is_clean(response))
-    except Exception:  # robustness guarantee for arbitrary model output (e.g. a 5000-digit number)
-        return Grade(correct=False, clean=False)
-
-
-def toy_tools_gold(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """1.0 for a correct, clean transcript, else 0.0: PPO with a perfect judge
-    (``ppo.reward_function=toy_gold``)."""
-    return [float(grade(p, r).passed) for p, r in zip(prompts, responses, strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------- generation
 def _is_test(problem: Problem) -> bool:
     """The fixed train/test partition of the problems: a fifth is test; independent of the seed."""
     return zlib.crc32(f"{problem.op}:{problem.a}:{problem.b}".encode()) % 5 == 0
@@ -420,11 +253,16 @@ def _row(split: str, rng: random.Random) -> dict:
     uses_tool = rng.random() < TOOL_SHARE
     chosen_uses_tool = rng.random() < CHOSEN_TOOL_SHARE
     kind = rng.choices(REJECTED_KINDS, weights=_REJECTED_WEIGHTS)[0]
-    return {
-        "prompt": toy_tools_prompt(question),
+    answers = {
         "response": _correct_transcript(problem, uses_tool),
         "chosen": _correct_transcript(problem, chosen_uses_tool),
         "rejected": _rejected(kind, problem, rng),
+    }
+    spans = {f"{name}{OBS_SPANS}": observation_spans(text) for name, text in answers.items()}
+    return {
+        "prompt": toy_tools_prompt(question),
+        **answers,
+        **spans,
         "uses_tool": uses_tool,
         "rejected_kind": kind,
     }

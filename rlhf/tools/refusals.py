@@ -40,7 +40,8 @@ def job_refusal(sweep_config: DictConfig, on_this_machine: bool) -> str | None:
     models and what the machine must have."""
     from hydra.core.hydra_config import HydraConfig
 
-    from rlhf.checks.validate import check_launch, fit_lengths, positions, raise_problems, validated
+    from rlhf.checks.lengths import fit_lengths, positions
+    from rlhf.checks.validate import check_launch, raise_problems, validated
     from rlhf.config import ConfigError
     from rlhf.config.sharing import share_command_line, unread_problems
 

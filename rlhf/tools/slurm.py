@@ -3,7 +3,8 @@ shim): a sweep's jobs as one SLURM job array, submitted with submitit.
 
 Each SLURM task runs the job's command as the rlhf launcher does (``python -m rlhf <overrides>
 hydra.run.dir=<job dir>``): task 0 with its output in ``<job dir>/job.log`` and its record in
-``job.json``, the others into their SLURM logs; rlhf maps the tasks to ranks (rlhf/runtime/dist.py).
+``job.json``, the others into their SLURM logs (rlhf.tools.slurm_task); rlhf maps the tasks to
+ranks (rlhf/runtime/dist.py). This module submits the tasks and watches them.
 A job that exits non-zero returns its exit status, so it is marked FAILED whether or not the
 cluster keeps accounting. The sweep reads each job's result file and ``squeue``'s state:
 
@@ -18,12 +19,7 @@ cluster keeps accounting. The sweep reads each job's result file and ``squeue``'
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +31,7 @@ from typing import Any
 from hydra.errors import CompactHydraException
 
 from rlhf.tools import launcher as mechanics
+from rlhf.tools.slurm_task import SlurmTask, run_command
 
 log = logging.getLogger(__name__)
 
@@ -143,182 +140,6 @@ def sbatch_parameters(conf: dict[str, Any]) -> dict[str, Any]:
     if conf.get("mem_gb"):
         params["mem"] = f"{conf['mem_gb']}GB"
     return params
-
-
-# --- in the job: one SLURM task ----------------------------------------------------------------
-
-
-@dataclass
-class SlurmTask:
-    """What submitit runs in every task of a job: the job's command (``cmd``), with task 0
-    keeping ``job_dir``'s job.log and job.json (``record``). Requeues itself when SLURM warns
-    of the time limit (``timeouts_left`` more times) or of preemption."""
-
-    cmd: list[str]
-    job_dir: str
-    record: dict[str, Any]
-    signal_delay_s: int
-    timeouts_left: int
-
-    def __call__(self) -> dict[str, Any]:
-        import submitit
-
-        env = submitit.JobEnvironment()
-        warning = warning_signal()
-        stop = StopForwarder(warning)
-        restarts = restart_count()
-        try:
-            if env.global_rank == 0:
-                record = {
-                    **self.record,
-                    "slurm_job_id": env.job_id,
-                    "slurm_log": str(env.paths.stdout),
-                    "nodes": env.hostnames,
-                    "requeues": restarts,
-                }
-                result = mechanics.run_job_process(
-                    self.cmd,
-                    Path(self.job_dir),
-                    record,
-                    on_start=stop.attach,
-                    ignored=(warning,),
-                    append=restarts > 0,  # job.log keeps the earlier runs' output
-                )
-            else:
-                result = _run_quietly(self.cmd, stop.attach, (warning,))
-        finally:
-            stop.close()
-        if stop.requested and not result.ok:
-            return self._requeue(env, result)
-        if result.returncode in (128 + signal.SIGTERM, -signal.SIGTERM):
-            # SLURM stopped it (scancel, preemption, the time limit): no result, so that the
-            # sweep reads SLURM's verdict, or waits for the job SLURM requeues
-            raise SystemExit(result.returncode)
-        return {"returncode": result.returncode, "wall_s": result.wall_s, "note": result.note}
-
-    def checkpoint(self) -> Any:
-        """submitit's own requeue, for a warning that comes before the command starts."""
-        from submitit.helpers import DelayedSubmission
-
-        return DelayedSubmission(self)
-
-    def _requeue(self, env: Any, result: mechanics.JobResult) -> dict[str, Any]:
-        """The command stopped at a checkpoint on SLURM's warning: requeue the job (task 0), and
-        leave no result, so the sweep waits for the requeued run."""
-        if env.global_rank != 0:
-            raise SystemExit(result.returncode)
-        timed_out = reached_time_limit(env.job_id, self.signal_delay_s)
-        job_dir = Path(self.job_dir)
-        if timed_out and self.timeouts_left <= 0:
-            note = "reached its time limit and was requeued max_num_timeout times already"
-            mechanics.write_record(job_dir, {"status": "FAILED", "note": note})
-            return {"returncode": result.returncode, "wall_s": result.wall_s, "note": note}
-        why = "its time limit" if timed_out else "preemption"
-        requeues = restart_count() + 1
-        again = dataclasses.replace(self, timeouts_left=self.timeouts_left - int(timed_out))
-        pickle = Path(env.paths.submitted_pickle)
-        tmp = pickle.with_name(pickle.name + ".tmp")
-        again.checkpoint().dump(tmp)
-        os.replace(tmp, pickle)  # what the requeued run unpickles
-        mechanics.write_record(
-            job_dir, {"status": "REQUEUED", "requeues": requeues, "note": f"requeued at {why}"}
-        )
-        # not submitit's _requeue, which raises when scontrol fails (as when SLURM requeues itself)
-        done = subprocess.run(
-            ["scontrol", "requeue", env.job_id], capture_output=True, text=True, timeout=60
-        )
-        if done.returncode == 0:
-            print(f"rlhf: requeued job {env.job_id} at {why}; it resumes from its checkpoint")
-        else:  # SLURM requeues a preempted job itself, or forbids it: the sweep follows it
-            print(f"rlhf: scontrol requeue {env.job_id}: {done.stderr.strip()}", flush=True)
-        raise SystemExit(result.returncode)
-
-
-def restart_count() -> int:
-    """How many times SLURM has requeued this job (by rlhf's requeue, a preemption, a node
-    failure)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-
-
-def warning_signal() -> int:
-    """The signal submitit asks SLURM to send before the time limit (sbatch --signal)."""
-    import submitit
-
-    return signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
-
-
-# not submitit's SignalHandler, which requeues at once: rlhf's command first writes its checkpoint
-class StopForwarder:
-    """While a task's command runs, SLURM's warning signal becomes a SIGTERM to the command:
-    rlhf then writes a checkpoint and exits at the end of its current step."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        self.requested = False
-        self._proc: subprocess.Popen | None = None
-        self._previous = signal.signal(signum, self._handle)
-
-    def attach(self, proc: subprocess.Popen) -> None:
-        self._proc = proc
-        if self.requested:  # the warning came while the command was starting
-            self._forward()
-
-    def close(self) -> None:
-        signal.signal(self.signum, self._previous)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        print(f"rlhf: signal {signal.Signals(signum).name}: stopping at a checkpoint", flush=True)
-        self.requested = True
-        self._forward()
-
-    def _forward(self) -> None:
-        # returncode, not poll(): no wait from inside a signal handler
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-
-
-def _run_quietly(
-    cmd: list[str], on_start: Callable[[subprocess.Popen], None], ignored: tuple[int, ...]
-) -> mechanics.JobResult:
-    """A task other than 0: the command with its output in the task's SLURM log."""
-    started = time.perf_counter()
-    sys.stdout.flush()
-    proc = mechanics.start_process(cmd, sys.stdout, ignored)
-    on_start(proc)
-    while True:
-        try:
-            returncode = proc.wait()
-            break
-        except InterruptedError:  # a signal handler ran
-            continue
-    return mechanics.JobResult(returncode, time.perf_counter() - started)
-
-
-# not submitit's has_timed_out, which needs timeout_min (null here: the partition's time limit)
-def reached_time_limit(job_id: str, signal_delay_s: int) -> bool:
-    """Whether SLURM's warning came for the time limit (the job has run about its limit less
-    ``signal_delay_s``; SLURM sends it up to 30 s early) rather than for a preemption (which
-    moves the job's end time, not its limit). Without an answer from squeue: the time limit
-    (it counts against max_num_timeout)."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%l|%M"]).strip()
-    limit, _, used = out.partition("|")
-    if out and limit.strip() in ("UNLIMITED", "INFINITE"):
-        return False
-    limit_s, used_s = parse_duration(limit), parse_duration(used)
-    if limit_s is None or used_s is None:
-        return True
-    return limit_s - used_s <= signal_delay_s + 90
-
-
-def parse_duration(text: str) -> float | None:
-    """SLURM's ``[days-]hours:minutes:seconds`` (or ``minutes:seconds``) in seconds; None for
-    UNLIMITED, NOT_SET and anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
-    if match is None:
-        return None
-    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 # --- on the submitting host: submit and wait -----------------------------------------------------
@@ -485,11 +306,11 @@ def job_states(job_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
         return {}
     arrays = sorted({job_id.split("_")[0] for job_id in job_ids})
     cmd = ["squeue", "-h", "-r", "--states=all", "-o", "%i|%T|%r", "-j", ",".join(arrays)]
-    states = _parse_states(_run(cmd))
+    states = _parse_states(run_command(cmd))
     missing = [j for j in job_ids if j not in states]
     if missing:
         cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State,Reason", "-j", ",".join(arrays)]
-        states.update({k: v for k, v in _parse_states(_run(cmd)).items() if k in missing})
+        states.update({k: v for k, v in _parse_states(run_command(cmd)).items() if k in missing})
     return states
 
 
@@ -504,13 +325,6 @@ def _parse_states(text: str) -> dict[str, tuple[str, str]]:
                 parts[2] if len(parts) > 2 else "",
             )
     return states
-
-
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def tasks_per_job(parameters: dict[str, Any]) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rlhf.config import LoggerConfig
+from rlhf.config.resolve import resolved_yaml
 from rlhf.tracking import lineage
 from rlhf.tracking.tensorboard_run import TensorBoardRun
 from rlhf.tracking.wandb_log import held_history
@@ -145,7 +146,10 @@ class Tracker:
         elif cfg.backend == "tensorboard":
             # a fresh run purges every earlier event in the run dir, as it cuts metrics.jsonl
             purge_step = resume["step"] + 1 if resume else 0
-            self._tensorboard = TensorBoardRun(self.run_dir, job_type, overrides, purge_step)
+            text = resolved_yaml(config, getattr(config, "from_model", frozenset()))
+            self._tensorboard = TensorBoardRun(
+                self.run_dir, job_type, overrides, purge_step, config_yaml=text
+            )
 
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` needs to resume this tracker."""

@@ -1,5 +1,6 @@
 """A TensorBoard run that TensorBoard's HParams tab compares: the job's sweep axes as its
-hyperparameters (the session start), every metric as a scalar, the headline values at its end.
+hyperparameters (the session start), every metric as a scalar, the headline values at its end,
+and the resolved config (resolved.yaml) as text.
 
 No experiment summary is written: with none, TensorBoard builds the experiment from every
 session start under its log dir (the union of the jobs' axes) and the metrics from every
@@ -32,6 +33,14 @@ def hparam_value(text: str) -> str | float | bool:
         return text
 
 
+CONFIG_TAG = "config/resolved"  # the run's resolved.yaml, in TensorBoard's Text tab
+
+
+def config_text(config_yaml: str) -> str:
+    """resolved.yaml as a Markdown code block (TensorBoard renders text as Markdown)."""
+    return "\n".join("    " + line for line in config_yaml.splitlines())
+
+
 class TensorBoardRun:
     """A SummaryWriter on ``run_dir/tensorboard`` whose first event is the session start.
     ``purge_step``: TensorBoard drops the events an earlier writer in the run dir logged at or
@@ -43,6 +52,7 @@ class TensorBoardRun:
         job_type: str,
         overrides: list[str] | None = None,
         purge_step: int | None = None,
+        config_yaml: str | None = None,
     ):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -53,6 +63,8 @@ class TensorBoardRun:
         self.hparams = session_hparams(changed, job_type)
         _, session_start, self._session_end = hparams(self.hparams, {})
         self.writer.file_writer.add_summary(session_start)
+        if config_yaml is not None and not purge_step:  # a resumed run's is already there
+            self.writer.add_text(CONFIG_TAG, config_text(config_yaml), 0)
         self.logged: set[str] = set()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

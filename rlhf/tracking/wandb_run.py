@@ -115,8 +115,9 @@ def start_wandb(
     run_id: str | None = None,
     overrides: list[str] | None = None,
 ):
-    """The run: ``config`` (resolved, nested) plus ``overrides`` (what the job changed, flat)
-    and ``inputs`` (the logged exports it starts from); tagged, its metrics declared, its
+    """The run: ``config`` (resolved, nested) plus ``overrides`` (what the job changed, flat),
+    ``from_model_files`` (the keys resolved from the model files) and ``inputs`` (the logged
+    exports it starts from); tagged, its metrics declared, its
     inputs used. ``overrides``: the command line's (None: Hydra's, see job_overrides)."""
     import wandb
 
@@ -129,6 +130,8 @@ def start_wandb(
     changed = changed_keys(job_overrides() if overrides is None else overrides)
     inputs = lineage.inputs(config)
     extra = {"overrides": changed, **({"inputs": lineage.named(inputs)} if inputs else {})}
+    if from_model := sorted(getattr(config, "from_model", ())):  # resolved.yaml's marks
+        extra["from_model_files"] = from_model
     run = wandb.init(
         project=cfg.project,
         entity=cfg.entity,

@@ -103,11 +103,11 @@ def setup(out: Path, tiny: bool) -> Setup:
     common = [
         *sizes,
         *BF16,
-        f"ppo.per_device_generation_batch_size={batch}",
-        f"ppo.per_device_training_batch_size={batch}",
-        f"ppo.max_new_tokens={answer}",
-        f"ppo.eval_prompts={prompts}",
-        "ppo.eval_samples=1",
+        f"ppo.rollout.per_device_batch_size={batch}",
+        f"ppo.update.per_device_batch_size={batch}",
+        f"ppo.rollout.max_new_tokens={answer}",
+        f"ppo.eval.prompts={prompts}",
+        "ppo.eval.samples=1",
         "reward.gold_eval_prompts=8",
         f"cache_dir={out / 'cache'}",
         f"data.cache_dir={out / 'cache' / 'data'}",
@@ -150,12 +150,12 @@ def ppo_overrides(s: Setup) -> list[str]:
         "step.max_steps=3",
         "step.log_interval=1",
         "step.eval_at_start=false",
-        "ppo.logprob_gap_interval=1",
+        "ppo.rollout.logprob_gap_interval=1",
     ]
 
 
 def check_hybrid_engine(s: Setup) -> list[Row]:
-    base = [*ppo_overrides(s), "ppo.greedy=true"]
+    base = [*ppo_overrides(s), "ppo.rollout.greedy=true"]
     s.run("hybrid-off", base)
     off = s.out / "hybrid-off"
     numbers = ("ppo/reward", "ppo/kl", "ppo/critic_loss")
@@ -205,7 +205,7 @@ def check_logprob_gap(s: Setup) -> list[Row]:
     # sdpa (transformers' and PPO's default) pinned: on CPU in bf16, eager attention decodes with
     # the very logits of the training forward (a gap of 0), which sdpa's kernel does not
     sdpa = ["actor.model.attn_implementation=sdpa", "critic.model.attn_implementation=sdpa"]
-    s.run("sampler-logprobs", [*ppo_overrides(s), "ppo.rollout_logprobs=true", *sdpa])
+    s.run("sampler-logprobs", [*ppo_overrides(s), "ppo.rollout.logprobs=true", *sdpa])
     sampler = s.out / "sampler-logprobs"
     gap_mean = later_mean(sampler, "ppo/logprob_diff_mean")
     gap_max = max((r.get("ppo/logprob_diff_max", 0.0) for r in read_metrics(sampler)), default=0)
@@ -237,8 +237,8 @@ def check_zero3_resume(s: Setup) -> list[Row]:
     overrides = [
         *ppo_overrides(s),
         "zero=stage3",
-        "ppo.ema=true",
-        "ppo.unsup_coef=1.0",
+        "ppo.ema.enabled=true",
+        "ppo.ptx.coef=1.0",
         "step.max_steps=6",
         "step.checkpoint_interval=3",
     ]
@@ -289,7 +289,7 @@ def check_vllm(s: Setup) -> list[Row]:
     """vLLM rollouts as the PPO loop drives them, in this process: the weight push at OPT-1.3B's
     shapes in bf16 (--tiny: the tests' 128-wide OPT in fp32 on CPU), then for each sleep level
     (1 and 2) a sleep after the rollout (the memory it gives back), the push waking it, and the
-    greedy answers after the wake equal to those before. ppo.vllm.sleep_level's default is the
+    greedy answers after the wake equal to those before. ppo.rollout.vllm.sleep_level's default is the
     deepest level seen to pass here (VERIFIED_SLEEP_LEVEL). vLLM's CPU build has no sleep mode;
     without vLLM the check says so."""
     import importlib.util
@@ -427,27 +427,27 @@ def check_recipe(s: Setup) -> list[Row]:
             f"actor.model.path={actor}",
             f"critic.model.path={reward}",
             "data=toy",  # nothing to download; prompts padded to the recipe's 256 as it pads them
-            "ppo.prompt_sources=[]",
+            "ppo.rollout.prompt_sources=[]",
             "data.pad_to_max_len=true",
             f"data.max_seq_len={prompt + answer}",
             f"data.max_prompt_len={prompt}",
-            f"ppo.max_new_tokens={answer}",
-            "ppo.stop_at_eos=false",  # every answer 256 tokens, as the published benchmark
-            f"ppo.rollout_engine={engine}",
+            f"ppo.rollout.max_new_tokens={answer}",
+            "ppo.rollout.stop_at_eos=false",  # every answer 256 tokens, as the published benchmark
+            f"ppo.rollout.engine={engine}",
             f"step.max_steps={steps}",
             "step.eval_at_start=false",
             "step.save_model=false",
             "step.log_interval=1",
-            "ppo.eval_prompts=4",
-            "ppo.eval_samples=1",
-            "ppo.eval_greedy=false",
+            "ppo.eval.prompts=4",
+            "ppo.eval.samples=1",
+            "ppo.eval.greedy=false",
         ],
         ranks=1,
     )
     rows = [r for r in read_metrics(run_dir) if "perf/s_per_iter" in r][2:]  # after warm-up
     seconds = sum(r["perf/s_per_iter"] for r in rows) / max(len(rows), 1)
     ppo = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["ppo"]
-    prompts = ppo["per_device_generation_batch_size"] * ppo["generation_batches"]
+    prompts = ppo["rollout"]["per_device_batch_size"] * ppo["rollout"]["batches"]
     per_s = prompts / seconds if seconds else math.nan
     split = {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / max(len(rows), 1) for p in SPLIT}
     shares = ", ".join(f"{p} {v / seconds:.0%}" for p, v in split.items()) if seconds else "-"
