@@ -23,6 +23,8 @@ from rlhf.config.resolve import (
     resolve_lora,
     resolve_model,
     resolve_ppo,
+    resolve_reward,
+    resolve_sft,
     resolved_yaml,
 )
 from tests.conftest import compose, run_rlhf
@@ -142,11 +144,12 @@ def test_ppo_packing_comes_from_the_model_files_and_is_recorded():
 def test_resolve_is_pure_and_leaves_nothing_undecided():
     cfg = config()
     before = copy.deepcopy(cfg)
-    resolved = resolve(cfg, Facts(models={"actor": model_facts(cfg.actor.model, None)}))
+    tiny = model_facts(cfg.actor.model, None)
+    resolved = resolve(cfg, Facts(models={"actor": tiny}, step_model=tiny))
     assert cfg == before  # the input is not changed
     values = dataclasses.asdict(resolved.config)
     assert undecided(values) == []
-    assert resolved.from_model == {"ppo.update.packing"}
+    assert resolved.from_model == {"ppo.update.packing", "sft.packing", "reward.share_prompt"}
 
 
 def flat(values: dict, prefix: str = "") -> dict:
@@ -173,6 +176,26 @@ def test_the_resolver_decides_only_the_auto_keys(overrides):
     assert all(before[k] == AUTO_KEYS[k] for k in changed if k not in ("ppo.rollout.logprobs",))
 
 
+def test_sft_packing_and_the_shared_reward_prompt_follow_the_models_attention():
+    takes = ModelFacts(model_type="opt")
+    refuses = ModelFacts(model_type="gpt2", block_mask_problem="a gpt2 model ...")
+    for step_model, expected in ((takes, True), (refuses, False)):
+        cfg = config()
+        assert resolve_sft(cfg, Facts(step_model=step_model)) == {"sft.packing"}
+        assert resolve_reward(cfg, Facts(step_model=step_model)) == {"reward.share_prompt"}
+        assert (cfg.sft.packing, cfg.reward.share_prompt) == (expected, expected)
+    padded = config("data.pad_to_max_len=true")
+    resolve_sft(padded, Facts(step_model=takes))
+    resolve_reward(padded, Facts(step_model=takes))
+    assert (padded.sft.packing, padded.reward.share_prompt) == (False, False)
+    listwise = config("reward.loss=listwise")  # reads K answers' scores, not a pair's two
+    resolve_reward(listwise, Facts(step_model=takes))
+    assert listwise.reward.share_prompt is False
+    unknown = config()  # a hub id not cached here: the step decides on the built model
+    assert resolve_sft(unknown, Facts()) == resolve_reward(unknown, Facts()) == set()
+    assert (unknown.sft.packing, unknown.reward.share_prompt) == (None, None)
+
+
 def test_the_embedded_models_facts_come_from_its_config():
     facts = model_facts(config().model, None)
     assert (facts.model_type, facts.max_positions) == ("opt", 256)
@@ -197,7 +220,7 @@ def test_cfg_job_prints_every_auto_value_decided(data):
     values = yaml.safe_load(proc.stdout)
     assert undecided(values) == []
     marked = [ln.split(":")[0].strip() for ln in proc.stdout.splitlines() if FROM_MODEL in ln]
-    assert marked == ["packing"]
+    assert marked == ["packing", "share_prompt", "packing"]  # sft., reward., ppo.update.
 
 
 def test_a_checkpoint_holds_resolved_yaml_in_its_manifest(tmp_path):

@@ -24,6 +24,7 @@ from rlhf.config.dpo import DPOConfig
 from rlhf.config.lora import LoraConfig
 from rlhf.config.model import TINY_INIT, TINY_VOCAB_SIZE, ModelConfig
 from rlhf.config.optim import OptimConfig
+from rlhf.config.reward import SHARED_PROMPT_LOSSES
 from rlhf.config.root import Config
 
 FROM_MODEL = "# from model files"  # the comment --cfg job and resolved.yaml put on such keys
@@ -40,6 +41,8 @@ AUTO_KEYS = {
     "actor.lora.learning_rate": None,
     "critic.lora.learning_rate": None,
     "dpo.reduction": None,
+    "sft.packing": None,
+    "reward.share_prompt": None,
     "ppo.rollout.max_new_tokens": 0,
     "ppo.rollout.drop_finished_rows": None,
     "ppo.rollout.logprobs": None,
@@ -76,6 +79,8 @@ class Facts:
     device: str = "cpu"  # cpu | cuda
     bf16: bool = False  # the GPU computes in bf16
     models: dict[str, ModelFacts | None] = field(default_factory=dict)
+    # the model step=sft / reward / dpo trains (model.path), with the attention it loads with
+    step_model: ModelFacts | None = None
     kl_reads_logits: bool = False  # ppo.kl.estimator reads both models' logits (full)
     aggregation: str = "token-mean"  # the policy loss's or else the estimator's own
 
@@ -114,7 +119,7 @@ def resolve(config: Config, facts: Facts) -> Resolved:
         resolve_lora(role.lora, role.optim)
     resolve_lora(out.lora, out.optim)
     resolve_dpo(out.dpo)
-    from_model = resolve_ppo(out, facts)
+    from_model = resolve_sft(out, facts) | resolve_reward(out, facts) | resolve_ppo(out, facts)
     return Resolved(out, frozenset(from_model))
 
 
@@ -134,6 +139,30 @@ def resolve_dpo(dpo: DPOConfig) -> None:
     """dpo.reduction null: the loss's own (mean for ipo and simpo, sum for sigmoid and hinge)."""
     if dpo.reduction is None:
         dpo.reduction = "mean" if dpo.loss in ("ipo", "simpo") else "sum"
+
+
+def resolve_sft(cfg: Config, facts: Facts) -> set[str]:
+    """sft.packing null: on where the trained model's attention takes a 4D block mask and
+    data.pad_to_max_len does not ask for DeepSpeed-Chat's padded rows. Left null where the
+    model's config.json cannot be read here (a hub id not cached): the step decides on the
+    built model, logged. Returns the keys decided from the model files."""
+    if cfg.sft.packing is not None or facts.step_model is None:
+        return set()
+    takes_mask = facts.step_model.block_mask_problem is None
+    cfg.sft.packing = takes_mask and not cfg.data.pad_to_max_len
+    return {"sft.packing"}
+
+
+def resolve_reward(cfg: Config, facts: Facts) -> set[str]:
+    """reward.share_prompt null: on where the model's attention takes a 4D block mask, the
+    loss reads a pair's two scores only (pairwise, mse) and rows are not padded to
+    data.max_seq_len; left null where config.json cannot be read here (as sft.packing)."""
+    if cfg.reward.share_prompt is not None or facts.step_model is None:
+        return set()
+    takes_mask = facts.step_model.block_mask_problem is None
+    shares = cfg.reward.loss in SHARED_PROMPT_LOSSES and not cfg.data.pad_to_max_len
+    cfg.reward.share_prompt = takes_mask and shares
+    return {"reward.share_prompt"}
 
 
 def resolve_ppo(cfg: Config, facts: Facts) -> set[str]:

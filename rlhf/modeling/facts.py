@@ -4,14 +4,15 @@ takes a 4D mask, and the registry's answers for the chosen algorithm."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
 
 from rlhf import registry
 from rlhf.config import Config
-from rlhf.config.resolve import Facts, ModelFacts, Resolved, model_facts, resolve
-from rlhf.modeling.loading import mask_problem
+from rlhf.config.resolve import Facts, ModelFacts, Resolved, model_facts, resolve, resolve_model
+from rlhf.modeling.loading import attention, mask_problem
 
 
 def resolve_run(config: Config) -> Resolved:
@@ -30,9 +31,22 @@ def run_facts(config: Config) -> Facts:
         device=device,
         bf16=bf16,
         models=ppo_model_facts(config),
+        step_model=step_model_facts(config, device, bf16),
         kl_reads_logits=registry.kl_needs_logits(ppo.kl.estimator),
         aggregation=registry.loss_aggregation_default(ppo),
     )
+
+
+def step_model_facts(config: Config, device: str, bf16: bool) -> ModelFacts | None:
+    """The model step=sft / reward / dpo trains, with why the attention it will load with (the
+    step's choice: rlhf.modeling.loading.attention) would take no 4D mask."""
+    model = copy.deepcopy(config.model)
+    resolve_model(model, Facts(device=device, bf16=bf16))
+    facts = model_facts(model, model.path)
+    if facts is None:
+        return None
+    chosen = attention(model, device, model.dtype, config.data.max_seq_len, facts.model_type)
+    return replace(facts, block_mask_problem=mask_problem(facts.model_type, chosen or "sdpa"))
 
 
 def ppo_model_facts(config: Config) -> dict[str, ModelFacts | None]:

@@ -56,7 +56,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
         )
     no_share = share_prompt_problem(cfg, inputs.path, inputs.attention)
     share_prompt = fast_path("reward.share_prompt", cfg.reward.share_prompt, no_share)
-    # the step's settings with reward.share_prompt resolved (cfg stays as given, for resume)
+    # decided here only where the resolver could not read the model's config.json (null)
     step_cfg = replace(cfg, reward=replace(cfg.reward, share_prompt=share_prompt))
     lengths, budget = pair_lengths(step_cfg, train_rows)
     shape, plan = batch_plan(cfg, train_rows, lengths)

@@ -44,7 +44,7 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     packing = fast_path("sft.packing", cfg.sft.packing, packing_off)
     lengths = row_lengths(train_rows) if cfg.data.group_by_length else None
     shape, plan = batch_plan(cfg, train_rows, lengths)
-    # the step's settings with sft.packing resolved (cfg itself stays as given, for resume)
+    # decided here only where the resolver could not read the model's config.json (null)
     step_cfg = replace(cfg, sft=replace(cfg.sft, packing=packing))
     batches = StepBatches(step_cfg, plan, train_rows, tokenizer.pad_token_id)
     steps = step_count(cfg, plan, f"the SFT phase has {len(train_rows)} training rows")
