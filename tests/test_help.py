@@ -68,8 +68,8 @@ def test_a_sweep_file_is_read_as_a_run_reads_it(capsys):
         (["ppo.kl_coeff=1"], "ppo.kl_coeff=1: no such key; the closest known key is ppo.kl.coef"),
         (["ppo.kl.coef=abc"], "could not be converted to Float"),
         (
-            ["ppo.kl_coef=0.1"],  # nest-ppo-keys: keep (a former key)
-            "ppo.kl_coef=0.1: no such key; renamed to ppo.kl.coef",  # nest-ppo-keys: keep
+            ["ppo.kl_coef=0.1"],  # a former key
+            "ppo.kl_coef=0.1: no such key; renamed to ppo.kl.coef",
         ),
         (["model=opt-13"], "model=opt-13: no such option; model's options: llama-2-7b, opt-1.3b"),
         (["zzzz"], "--help zzzz: no key starts with 'zzzz'"),

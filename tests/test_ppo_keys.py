@@ -1,6 +1,6 @@
 """PPO's keys nested by concern (issue 49): every old flat key refused in one line naming its
 new place (command line, YAML, composed config), and a checkpoint written under the flat keys
-still resuming. This file names the old keys on purpose (nest-ppo-keys: skip-file)."""
+still resuming. This file names the old keys on purpose."""
 
 from __future__ import annotations
 
