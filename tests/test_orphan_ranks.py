@@ -20,7 +20,12 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     command = [
         *("torchrun", "--nproc_per_node", "2", "-m", "rlhf", "step=sft", *FAST),
-        *("step.max_steps=200", "debug.step_sleep_s=1", *cache_overrides(cache_dir)),
+        *(
+            "step.max_steps=200",
+            "step.log_interval=1",
+            "debug.step_sleep_s=1",
+            *cache_overrides(cache_dir),
+        ),
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -35,7 +40,9 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path, cache_dir):
     ranks = []
     try:
         deadline = time.monotonic() + 600
-        while not (run_dir / "metrics.jsonl").is_file():  # the ranks are training
+        # the ranks are training once a row is logged (the file itself opens before the loop,
+        # where a SIGTERM still ends a rank without a checkpoint: there is nothing to keep)
+        while not _has_a_row(run_dir / "metrics.jsonl"):
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
         ranks = psutil.Process(launcher.pid).children(recursive=True)
@@ -51,3 +58,7 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path, cache_dir):
         for rank in ranks:
             if rank.is_running():
                 rank.kill()
+
+
+def _has_a_row(path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
