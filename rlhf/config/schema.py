@@ -149,18 +149,26 @@ def unknown_key(key: str) -> str | None:
 
 
 def _closest(prefix: list[str], segment: str, node_type: Any) -> str:
-    """The known key most like ``segment``: a sibling at this place, or a key of that name at
-    another place (``lr`` -> optim.lr)."""
+    """The known key most like ``segment``: a sibling at this place, a key below this place
+    spelt flat (``ppo.kl_coeff`` -> ppo.kl.coef), or a key of that name at another place
+    (``lr`` -> optim.lr)."""
     siblings = list(_fields(node_type)) if dataclasses.is_dataclass(node_type) else []
     candidates = {".".join([*prefix, name]): name for name in siblings}
     for key in schema_keys():
-        candidates.setdefault(key, key.rsplit(".", 1)[-1])
+        parts = key.split(".")
+        if parts[: len(prefix)] == prefix and len(parts) > len(prefix) + 1:
+            candidates.setdefault(key, "_".join(parts[len(prefix) :]))
+        candidates.setdefault(key, parts[-1])
     ratio = {
         key: difflib.SequenceMatcher(None, segment, name).ratio()
         for key, name in candidates.items()
     }
-    # on a tie: a sibling, then the shortest key
-    best = max(ratio, key=lambda k: (ratio[k], k.count(".") == len(prefix), -len(k)))
+
+    def rank(key: str) -> tuple:  # on a tie: below this place, a sibling, the shortest key
+        below = key.split(".")[: len(prefix)] == prefix
+        return ratio[key], below, key.count(".") == len(prefix), -len(key)
+
+    best = max(ratio, key=rank)
     if ratio[best] < 0.6:
         return "python -m rlhf --help lists every key"
     return f"the closest known key is {best}"
