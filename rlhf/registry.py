@@ -54,6 +54,9 @@ class Estimator:
     # ppo.advantage.whiten decides)
     whiten: str = "never"
     aggregation: str = "token-mean"  # ppo.loss.aggregation when that key is null
+    # scores the rollout with the frozen teacher (teacher.*; algo=opd), whose per-token gap is
+    # its signal: it reads the task's reward only with opd.task_reward
+    teacher: bool = False
 
     @property
     def summary(self) -> str:
@@ -84,6 +87,7 @@ register_estimator("reinforce_pp_baseline", group=True, whiten="always")(
     estimators.reinforce_pp_baseline
 )
 register_estimator("remax", greedy_baseline=True)(estimators.remax)
+register_estimator("opd", teacher=True)(estimators.opd)
 
 
 # ---------------------------------------------------------------- policy losses
@@ -191,11 +195,33 @@ def uses_critic(ppo: PPOConfig) -> bool:
     return estimator(ppo).needs_critic
 
 
-def reads_critic_path(ppo: PPOConfig) -> bool:
+def uses_teacher(ppo: PPOConfig) -> bool:
+    """Whether step 3 builds the frozen teacher (teacher.*) and scores every rollout with it."""
+    spec = ESTIMATORS.get(ppo.advantage.estimator)
+    return spec is not None and spec.teacher
+
+
+def reads_reward(estimator_name: str, task_reward: bool) -> bool:
+    """Whether the advantages read the task's reward: every estimator's do, a teacher's (OPD)
+    only with opd.task_reward. (Names, so that step=all's composed configs can ask too.)"""
+    spec = ESTIMATORS.get(estimator_name)
+    return spec is None or not spec.teacher or task_reward
+
+
+def uses_reward_model(cfg) -> bool:
+    """Whether step 3 loads a reward model (and step=all trains one): no ppo.reward.function
+    and advantages that read the reward. ``cfg``: a Config or a composed DictConfig."""
+    ppo = cfg.ppo
+    return ppo.reward.function is None and reads_reward(
+        ppo.advantage.estimator, cfg.opd.task_reward
+    )
+
+
+def reads_critic_path(cfg) -> bool:
     """critic.model.path names the critic's start (an estimator with a critic) or the reward
-    model (no ppo.reward.function); a critic-free estimator with a reward function reads
-    neither."""
-    return uses_critic(ppo) or ppo.reward.function is None
+    model (:func:`uses_reward_model`); a critic-free estimator with a reward function (or OPD
+    without the task's reward) reads neither."""
+    return uses_critic(cfg.ppo) or uses_reward_model(cfg)
 
 
 def whitens(ppo: PPOConfig) -> bool:

@@ -54,6 +54,8 @@ def test_every_option_composes_and_validates(group, option, local_file):
         overrides += [f"actor.model.path={model_dir}", f"critic.model.path={model_dir}"]
     if (group, option) == ("step", "dpo"):  # DPO starts from the SFT export
         overrides.append(f"model.path={local_file.parent}")
+    if (group, option) == ("algo", "opd"):  # OPD needs a teacher (a hub id is checked at launch)
+        overrides.append("teacher.model.path=facebook/opt-125m")
     if group in ("step", "algo"):  # their own values: the embedded model's tuning beats them
         overrides.append("model=opt-125m")
     cfg = compose(overrides)
@@ -67,7 +69,7 @@ def test_design_groups_have_their_options():
     """The options docs/configuration.md's group table promises."""
     promised = {
         "step": "sft reward ppo dpo all",
-        "algo": "ppo grpo rloo reinforce_pp remax dr_grpo dapo dpo",
+        "algo": "ppo grpo rloo reinforce_pp remax dr_grpo dapo dpo opd",
         "model": "tiny opt-125m opt-350m opt-1.3b opt-6.7b opt-13b opt-66b llama-2-7b",
         "data": "toy rm-static full-hh-rlhf synthetic-instruct-gptj-pairwise rlhf-reward-datasets "
         "webgpt-comparisons shp local",

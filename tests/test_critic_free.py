@@ -180,6 +180,7 @@ def _collector() -> Collector:
         reference=ppo_tests._lm(seed=6),
         critic=None,
         reward=LengthReward(),
+        teacher=None,
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
     rollouts = HFDecoder(cfg, models.actor, PAD, EOS)
@@ -316,7 +317,7 @@ def test_a_critic_free_run_with_a_rule_reward_needs_no_critic_path():
     function reads neither, so it is not asked for, and GAE still is."""
     actor = ["step=ppo", "actor.model.path=/tmp", "ppo.reward.function=toy_gold"]
     config = validated(compose([*actor, "algo=grpo"]))
-    assert config.critic.model.path is None and not registry.reads_critic_path(config.ppo)
+    assert config.critic.model.path is None and not registry.reads_critic_path(config)
     with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):
         validated(compose(actor))  # GAE trains a critic from it
     with pytest.raises(ConfigError, match=r"critic.model.path=None: expected a model directory"):

@@ -4,6 +4,7 @@ GRPO with the gold checker as its reward runs the episodes; every run reports it
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,28 @@ def test_grpo_with_the_gold_checker_plays_whole_episodes_in_groups(exports, cach
     # toy_gold's 0/1 a whole episode, or GRPO's -1 (ppo.reward.short_answer_penalty) for an empty one
     assert all(-1.0 <= r["ppo/reward"] <= 1.0 for r in rows)
     assert all(r["ppo/reward"] >= 0.0 or r["ppo/short_answers"] > 0 for r in rows)
+
+
+def test_opd_distils_on_episodes_with_the_gap_on_the_model_tokens(exports, cache_dir, tmp_path):
+    """algo=opd on the calculator's episodes: the teacher (the reward model's start, an SFT
+    export of other weights, the same tokenizer) scores the student's turns; the gap is summed
+    over the model's tokens only (the calculator's results are masked as in PPO)."""
+    teacher = exports / "sft" / "model"
+    overrides = [
+        *PPO,
+        f"actor.model.path={teacher}",
+        "algo=opd",
+        f"teacher.model.path={teacher}",
+        "step.max_steps=3",
+        "step.eval_interval=3",
+    ]
+    _run(overrides, tmp_path, cache_dir)
+    rows = _episode_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/env_errors"] == 0 for r in rows)
+    # the teacher is the student's start: no gap before the first update, one after it
+    assert rows[0]["ppo/teacher_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(math.isfinite(r["ppo/teacher_kl"]) for r in rows)
+    last = read_metrics(tmp_path)[-1]
+    assert "eval/teacher_kl" in last and "eval/turns" in last
+    assert not (tmp_path / "critic").exists()

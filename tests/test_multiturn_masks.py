@@ -141,6 +141,8 @@ PARAMS = {
     "g1-l0.95": AdvantageParams(1.0, 0.95, GROUP),
     "g0.9-l0.95": AdvantageParams(0.9, 0.95, GROUP),
     "g0.9-l1-drgrpo": AdvantageParams(0.9, 1.0, GROUP, std_normalize=False),
+    # opd with the task's advantages beside the teacher's gap (the others ignore these two)
+    "g1-l1-task": AdvantageParams(1.0, 1.0, GROUP, teacher_coef=0.5, task_reward=True),
 }
 
 
@@ -156,6 +158,10 @@ def check_estimator(
     if not leak_check:
         return
     leaked, _ = compute(expanded._replace(response_mask=lay.leaked), params)
+    if ESTIMATORS[name].teacher and not params.task_reward:
+        # the teacher's gap is per token: a leak would show on the observations themselves
+        assert (leaked[lay.leaked & lay.obs] != 0).any(), "the junk never reached this estimator"
+        return
     assert differs(lay.compact(leaked), adv_c), "the junk never reached this estimator"
 
 
@@ -169,13 +175,15 @@ def test_estimators_see_through_observations(name, params, layout):
     outcomes = 2 * randn(B, g=g)
     rewards = 0.1 * randn(B, TC, g=g) + algos.at_last_token(outcomes, layout.mask)
     values, baselines = randn(B, TC, g=g), randn(B, g=g)
-    compact = AdvantageInputs(rewards, outcomes, values, layout.mask, baselines)
+    gap = randn(B, TC, g=g)  # opd's student-teacher gap: junk on the observations too
+    compact = AdvantageInputs(rewards, outcomes, values, layout.mask, baselines, gap)
     expanded = AdvantageInputs(
         layout.expand(rewards),
         outcomes,
         layout.expand(values, seed=7),
         layout.expanded_mask,
         baselines,
+        layout.expand(gap, seed=11),
     )
     check_estimator(name, params, compact, expanded, layout)
 
@@ -206,13 +214,18 @@ def test_rewards_then_estimators_as_experience_scores_them(kl_estimator, name, l
     assert differs(leaked.sum(-1), r_c.sum(-1))  # the junk's KL would join the answer's return
 
     outcomes = scores.clamp(-1.0, 1.0)
-    values = randn(B, TC, g=g)
+    values, gap = randn(B, TC, g=g), randn(B, TC, g=g)
     check_estimator(
         name,
         PARAMS["g0.9-l0.95"],
-        AdvantageInputs(r_c, outcomes, values, layout.mask, outcomes.flip(0)),
+        AdvantageInputs(r_c, outcomes, values, layout.mask, outcomes.flip(0), gap),
         AdvantageInputs(
-            r_e, outcomes, layout.expand(values), layout.expanded_mask, outcomes.flip(0)
+            r_e,
+            outcomes,
+            layout.expand(values),
+            layout.expanded_mask,
+            outcomes.flip(0),
+            layout.expand(gap, seed=5),
         ),
         layout,
         leak_check=False,  # compute_rewards zeroed the junk: the rewards' own check is above

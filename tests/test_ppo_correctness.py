@@ -303,7 +303,11 @@ def test_rollouts_decode_on_inference_kernels_and_take_log_probs_on_training_ker
     actor = KernelSwitchingEngine(_lm(seed=5))
     critic = SimpleNamespace(module=_critic(), eval=None, train=None)  # never engine-switched
     models = SimpleNamespace(
-        actor=actor, reference=_lm(seed=6), critic=critic.module, reward=ConstantReward(1.0)
+        actor=actor,
+        reference=_lm(seed=6),
+        critic=critic.module,
+        reward=ConstantReward(1.0),
+        teacher=None,
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
     rollouts = HFDecoder(cfg, actor, PAD, EOS)

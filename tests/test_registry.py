@@ -62,7 +62,7 @@ def test_the_checks_accept_a_registered_name_and_refuse_an_unknown_one(negated_g
         validated(compose([*paths, "ppo.advantage.estimator=test_unknown"]))
     [line] = [ln.strip() for ln in str(err.value).splitlines() if "ppo.advantage.estimator=" in ln]
     assert line.startswith("ppo.advantage.estimator='test_unknown': expected one of gae, ")
-    assert line.endswith(f", remax, {NAME}")
+    assert line.endswith(f", remax, opd, {NAME}")
 
 
 def _update(estimator: str):

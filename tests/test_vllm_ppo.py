@@ -100,6 +100,25 @@ def test_critic_free_estimators_sample_on_vllm(estimator, sft, cache_dir, tmp_pa
     assert not (tmp_path / "critic").exists()
 
 
+def test_opd_samples_on_vllm_and_the_teacher_scores_on_the_trainer(sft, cache_dir, tmp_path):
+    """algo=opd with vLLM's rollouts: the teacher (here the student's own start) scores the
+    sampled tokens; no critic, no reward model; the teacher answers the held-out prompts once
+    on its own module."""
+    overrides = _ppo(sft, cache_dir, "step.max_steps=2", "algo=opd", f"teacher.model.path={sft}")
+    run_rlhf(
+        [o for o in overrides if not o.startswith("ppo.reward.function")],
+        tmp_path,
+        extra_env=ONE_THREAD,
+    )
+    rows = _training_rows(tmp_path)
+    assert len(rows) == 2
+    assert rows[0]["ppo/teacher_kl"] == pytest.approx(0.0, abs=1e-5)  # the start is the teacher
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)
+    first = read_metrics(tmp_path)[0]
+    assert "eval/teacher_gold_accuracy" in first and "eval/teacher_kl" in first
+    assert not (tmp_path / "critic").exists()
+
+
 def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_dir, tmp_path):
     overrides = _ppo(sft, cache_dir, "step.max_steps=4", "step.checkpoint_interval=2")
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from rlhf.algos import advantages
+from rlhf.algos import advantages, distillation
 from rlhf.algos.reductions import at_last_token, masked_sum
 
 
@@ -28,6 +28,8 @@ class AdvantageInputs(NamedTuple):
     response_mask: (B, R) True on the tokens that count.
     baselines: (B,) the outcome of a greedy answer to the row's prompt (estimators with
         ``greedy_baseline``), else None.
+    teacher_gap: (B, R) the student-teacher gap on each answer token (estimators with
+        ``teacher``: opd.loss's, rlhf.algos.distillation.teacher_gap), else None.
     """
 
     rewards: Tensor
@@ -35,6 +37,7 @@ class AdvantageInputs(NamedTuple):
     values: Tensor
     response_mask: Tensor
     baselines: Tensor | None = None
+    teacher_gap: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class AdvantageParams:
     lam: float = 0.95  # GAE's lambda
     group_size: int = 1  # answers per prompt (ppo.rollout.samples_per_prompt)
     std_normalize: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
+    teacher_coef: float = 1.0  # opd: the gap's weight (opd.kl_coef)
+    task_reward: bool = False  # opd: add the task's group-normalised advantages
 
 
 def outcome_advantages(per_answer: Tensor, batch: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -117,4 +122,17 @@ def remax(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tens
 
     Li et al. 2023."""
     per_token = advantages.remax_advantages(batch.rewards, batch.baselines, batch.response_mask)
+    return per_token, per_token
+
+
+def opd(batch: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor]:
+    """Minus the student-teacher gap on each token, times opd.kl_coef; with opd.task_reward
+    plus GRPO's group-normalised return (on-policy distillation)
+
+    The teacher's per-token signal as slime's --use-opd, verl's and TRL's distillation: a dense
+    reverse KL on the student's own samples; the task's advantages added as slime adds them."""
+    task = grpo(batch, params)[0] if params.task_reward else None
+    per_token = distillation.opd_advantages(
+        batch.teacher_gap, batch.response_mask, params.teacher_coef, task
+    )
     return per_token, per_token

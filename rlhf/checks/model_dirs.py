@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf import registry
 from rlhf.config import Config, ConfigError, ModelConfig
 
 # A directory with none of these holds no tokenizer; transformers would then build an empty
@@ -69,13 +70,17 @@ def models_to_check(config: Config) -> list[ModelToCheck]:
         reference, reward = config.actor.reference_path, config.critic.reward_model_path
         # critic.model.path is the reward model too, unless critic.reward_model_path names
         # another or a rule scores the answers
-        scores = config.ppo.reward.function is None
+        scores = registry.uses_reward_model(config)
         critic_kind = REWARD if scores and reward is None else VALUE
         out.append(ModelToCheck("critic.model.path", critic.path, critic_kind, critic))
         need = "the actor's reference is a causal LM, the SFT export (RUN/sft/model)"
         out.append(ModelToCheck("actor.reference_path", reference, CAUSAL, actor, need))
         reward_model_kind = REWARD if scores else VALUE
         out.append(ModelToCheck("critic.reward_model_path", reward, reward_model_kind, critic))
+        if registry.uses_teacher(config.ppo):
+            need = "the teacher is a causal LM (RUN/ppo/actor, RUN/sft/model)"
+            teacher = config.teacher.model
+            out.append(ModelToCheck("teacher.model.path", teacher.path, CAUSAL, teacher, need))
     out = [m for m in out if m.path is not None]
     return [m for m in out if os.path.isdir(os.path.expanduser(m.path))]
 

@@ -95,7 +95,7 @@ def ppo_model_problems(config: Config) -> list[str]:
         out += dropout_problems(role, trained.model, trained.lora, _model_json(trained.model))
     actor, reward = config.actor.model, config.critic.reward_model_source
     local = [p and os.path.isdir(os.path.expanduser(p)) for p in (actor.path, reward)]
-    if config.ppo.reward.function is None and all(local):
+    if registry.uses_reward_model(config) and all(local):
         from rlhf.modeling.compatibility import end_of_text_problem, reward_model_setting
         from rlhf.modeling.loading import end_of_text_id, load_tokenizer, read_stats
 

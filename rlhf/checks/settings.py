@@ -11,6 +11,7 @@ from typing import Any
 
 from rlhf import registry, tasks
 from rlhf.checks.model_dirs import frozen_paths, read_model_config, trained_models
+from rlhf.checks.teacher import teacher_problems
 from rlhf.config import (
     TINY_MODEL,
     TINY_VOCAB_SIZE,
@@ -33,6 +34,7 @@ def config_problems(
         prefix = f"data.sources.{name}."
         out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
     out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
+    out += [problem_message(k, v, ok) for k, v, ok in teacher_problems(config)]
     return out + (tiny_tuning_problems(config) if trains else []) + offload_problems(config)
 
 
@@ -92,6 +94,8 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
         for role, (key, path) in zip(("actor", "critic"), frozen_paths(config)):
             paths[f"{role}.model.path"] = getattr(config, role).model.path
             paths[key] = path
+    if config.step.name in ("ppo", "all") and registry.uses_teacher(config.ppo):
+        paths["teacher.model.path"] = config.teacher.model.path
     return [
         (
             key,
@@ -108,7 +112,7 @@ def _path_problems(config: Config, produced: tuple[Path, ...]) -> list[tuple[str
 def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
     ppo, out = config.ppo, registry.problems(config.ppo)
     if config.step.name == "ppo" and not any(key == "ppo.advantage.estimator" for key, *_ in out):
-        roles = ("actor", "critic") if registry.reads_critic_path(ppo) else ("actor",)
+        roles = ("actor", "critic") if registry.reads_critic_path(config) else ("actor",)
         for role in roles:
             if getattr(config, role).model.path is None:
                 accepted = (
@@ -139,7 +143,9 @@ def _ppo_problems(config: Config) -> list[tuple[str, object, str]]:
                     )
                 )
     if ppo.update.on_policy_shortcut:
-        reasons = off_policy_reasons(config, registry.kl_needs_logits(ppo.kl.estimator))
+        reasons = off_policy_reasons(
+            config, registry.kl_needs_logits(ppo.kl.estimator), registry.uses_teacher(ppo)
+        )
         if ppo.rollout.logprobs:
             reasons.append("ppo.rollout.logprobs=true takes them from the sampling pass")
         if reasons:

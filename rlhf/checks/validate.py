@@ -23,6 +23,7 @@ from rlhf.checks.ppo_launch import (
     ppo_model_problems,
 )
 from rlhf.checks.settings import config_problems, tiny_paths, tiny_tuning_problem
+from rlhf.checks.teacher import teacher_launch_problems
 from rlhf.config import Config, ConfigError, to_config, unknown_keys
 from rlhf.runtime.paths import looks_local
 from rlhf.runtime.vllm_install import vllm_problem
@@ -47,7 +48,8 @@ def check_launch(config: Config) -> None:
     if problem:
         raise ConfigError(problem)
     check_models(config)
-    raise_problems(ppo_model_problems(config), "PPO cannot train these models as configured")
+    problems = ppo_model_problems(config) + teacher_launch_problems(config)
+    raise_problems(problems, "PPO cannot train these models as configured")
     raise_problems(launch_problems(config), "this run cannot start here")
 
 

@@ -12,6 +12,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from rlhf import registry
 from rlhf.cli.ranks import run_time_str
 from rlhf.cli.refuse import fail
 from rlhf.config import ConfigError, unknown_key
@@ -98,7 +99,7 @@ def show_config_as_run() -> None:
         top = _job_values(cfg)
         by_step = {
             step: _job_values(as_run(self, config_name, [*own, f"step={step}"], *args, **kwargs))
-            for step in pipeline_steps(top)
+            for step in pipeline_steps(top, registry.uses_reward_model(OmegaConf.create(top)))
         }
         lines = step_values_text(step_values(top, by_step))
         if lines:

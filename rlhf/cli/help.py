@@ -95,9 +95,9 @@ def registered(key: str) -> str:
 def reference(values: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(key, value, meaning) of every key, ``values`` being a composed (or default) config."""
     meanings = field_meanings()
-    rows = []
+    rows, composed = [], OmegaConf.create(values)
     for key, owner, name in keys():
-        value = OmegaConf.select(OmegaConf.create(values), key, default=None)
+        value = OmegaConf.select(composed, key, default=None)
         if isinstance(value, dict | list) or OmegaConf.is_config(value):
             value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         meaning = next(
@@ -250,7 +250,10 @@ def composed_for_help(args: list[str]) -> tuple[dict[str, Any], list[str]]:
             return top, filters
         # step=all runs each step with its own values: each key shows them where they differ
         own = [o for o in overrides if not o.startswith("step=")]
-        by_step = {step: composed([*own, f"step={step}"]) for step in pipeline_steps(top)}
+        by_step = {
+            step: composed([*own, f"step={step}"])
+            for step in pipeline_steps(top, registry.uses_reward_model(OmegaConf.create(top)))
+        }
         view = OmegaConf.create(top)
         for key, values in step_values(top, by_step).items():
             shown = ", ".join(f"{_show(v)} ({step})" for step, v in values.items())

@@ -35,6 +35,7 @@ from rlhf.config.model import (
     ModelConfig,
 )
 from rlhf.config.multi_turn import MultiTurnConfig
+from rlhf.config.opd import OPD_LOSSES, OPDConfig, TeacherConfig
 from rlhf.config.optim import SCHEDULERS, OptimConfig, RoleOptimConfig
 from rlhf.config.pipeline import NOT_READ_BY, PIPELINES, PipelineConfig
 from rlhf.config.ppo import FLAT_KEYS, GENERATION_CACHES, ROLLOUT_ENGINES, PPOConfig, nest_flat
@@ -77,6 +78,7 @@ __all__ = [
     "LOGGER_BACKENDS",
     "LOGPROB_REDUCTIONS",
     "NOT_READ_BY",
+    "OPD_LOSSES",
     "OVERLONG_PROMPTS",
     "PIPELINES",
     "RENAMED_KEYS",
@@ -101,6 +103,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "MultiTurnConfig",
+    "OPDConfig",
     "OptimConfig",
     "PPOAdvantageConfig",
     "PPOConfig",
@@ -119,6 +122,7 @@ __all__ = [
     "SFTConfig",
     "SourceConfig",
     "StepConfig",
+    "TeacherConfig",
     "VLLMConfig",
     "ZeroConfig",
     "collect_problems",

@@ -11,8 +11,8 @@ PIPELINES = (("sft", "reward", "ppo"), ("sft", "dpo"))
 # the sections the steps a pipeline can share (pipeline.share_dir) never read: two runs whose
 # step differs only there share it
 NOT_READ_BY = {
-    "sft": ("reward", "ppo", "dpo", "actor", "critic", "pipeline"),
-    "reward": ("sft", "ppo", "dpo", "actor", "critic", "pipeline"),
+    "sft": ("reward", "ppo", "dpo", "actor", "critic", "teacher", "opd", "pipeline"),
+    "reward": ("sft", "ppo", "dpo", "actor", "critic", "teacher", "opd", "pipeline"),
 }
 
 

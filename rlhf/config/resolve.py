@@ -37,6 +37,7 @@ AUTO_KEYS = {
     "model.dtype": "auto",
     "actor.model.dtype": "auto",
     "critic.model.dtype": "auto",
+    "teacher.model.dtype": "auto",
     "lora.learning_rate": None,
     "actor.lora.learning_rate": None,
     "critic.lora.learning_rate": None,
@@ -82,6 +83,7 @@ class Facts:
     # the model step=sft / reward / dpo trains (model.path), with the attention it loads with
     step_model: ModelFacts | None = None
     kl_reads_logits: bool = False  # ppo.kl.estimator reads both models' logits (full)
+    teacher: bool = False  # the estimator scores with a teacher (algo=opd)
     aggregation: str = "token-mean"  # the policy loss's or else the estimator's own
 
 
@@ -114,6 +116,7 @@ def resolve(config: Config, facts: Facts) -> Resolved:
     out = copy.deepcopy(config)
     out.device = facts.device  # auto: cuda where one is visible, else cpu
     resolve_model(out.model, facts)
+    resolve_model(out.teacher.model, facts)
     for role in (out.actor, out.critic):
         resolve_model(role.model, facts)
         resolve_lora(role.lora, role.optim)
@@ -183,7 +186,8 @@ def resolve_ppo(cfg: Config, facts: Facts) -> set[str]:
     if ppo.rollout.correction is None:  # vLLM's sampler is not the trainer; hf's is
         ppo.rollout.correction = "tis" if ppo.rollout.engine == "vllm" else "none"
     if ppo.reward.normalize is None:  # a reward model's scores; a function's are used as is
-        ppo.reward.normalize = ppo.reward.function is None
+        reads_reward = not facts.teacher or cfg.opd.task_reward  # OPD's own reads none
+        ppo.reward.normalize = ppo.reward.function is None and reads_reward
     if ppo.rollout.drop_finished_rows is None:  # where it applies: hf decoding, ends, dynamic cache
         ppo.rollout.drop_finished_rows = (
             ppo.rollout.engine == "hf"
@@ -199,7 +203,7 @@ def resolve_ppo(cfg: Config, facts: Facts) -> set[str]:
     return from_model
 
 
-PPO_ROLES = ("actor", "reference", "critic", "reward")
+PPO_ROLES = ("actor", "reference", "critic", "reward", "teacher")
 
 
 def packing_problem(facts: Facts) -> str | None:
@@ -219,7 +223,7 @@ def uses_rollout_logprobs(cfg: Config, facts: Facts) -> bool:
     distribution's log-probs, the update scores the truncated one), nor a KL that reads the
     logits (full: it needs the actor's distributions)."""
     ppo = cfg.ppo
-    if cfg.actor.hybrid_engine or facts.kl_reads_logits:
+    if cfg.actor.hybrid_engine or facts.kl_reads_logits or teacher_reads_logits(cfg, facts):
         return False
     if ppo.rollout.engine == "vllm" or truncates(ppo):
         return False
@@ -228,17 +232,26 @@ def uses_rollout_logprobs(cfg: Config, facts: Facts) -> bool:
     return ppo.rollout.logprobs
 
 
+def teacher_reads_logits(cfg: Config, facts: Facts) -> bool:
+    """opd.loss=topk compares the student's and the teacher's top-k distributions: it needs the
+    actor's logits, which the sampler does not keep."""
+    return facts.teacher and cfg.opd.loss == "topk"
+
+
 def truncates(ppo) -> bool:
     """Whether top-k / top-p truncate the sampled distribution."""
     return not ppo.rollout.greedy and (ppo.rollout.top_k > 0 or ppo.rollout.top_p < 1.0)
 
 
-def off_policy_reasons(cfg: Config, kl_reads_logits: bool = False) -> list[str]:
+def off_policy_reasons(
+    cfg: Config, kl_reads_logits: bool = False, teacher: bool = False
+) -> list[str]:
     """Why the update's own forward cannot stand in for the old log-probs (ppo.update.on_policy_shortcut):
     whatever trains on the rollout after its first optimizer step, or reads the old log-probs
     before the update. Empty: the first forward of the update is on the weights that sampled,
     so its detached log-probs are the old ones and the ratio is 1 by construction.
-    ``kl_reads_logits``: ppo.kl.estimator reads the logits (rlhf.registry.kl_needs_logits)."""
+    ``kl_reads_logits``: ppo.kl.estimator reads the logits (rlhf.registry.kl_needs_logits);
+    ``teacher``: the estimator scores with a teacher (rlhf.registry.uses_teacher)."""
     ppo, out = cfg.ppo, []
     if ppo.update.epochs > 1:
         out.append(f"ppo.update.epochs={ppo.update.epochs} (later epochs train on older answers)")
@@ -253,6 +266,8 @@ def off_policy_reasons(cfg: Config, kl_reads_logits: bool = False) -> list[str]:
         out.append("the KL penalty in the reward reads them before the update (ppo.kl.in_loss)")
     if kl_reads_logits:
         out.append("ppo.kl.estimator=full reads the actor's logits before the update")
+    if teacher:
+        out.append("algo=opd's advantages are the student-teacher gap of the old log-probs")
     if ppo.update.critic_warmup_steps > 0:
         out.append("ppo.update.critic_warmup_steps: iterations without an actor forward")
     # not reasons: ppo.ema.enabled averages the actor for its export only; ppo.rollout.correction weighs
@@ -265,7 +280,8 @@ def uses_on_policy_shortcut(cfg: Config, facts: Facts) -> bool:
     log-probs would otherwise be recomputed and the update is exactly on-policy."""
     ppo = cfg.ppo
     if ppo.update.on_policy_shortcut is None:
-        return not ppo.rollout.logprobs and not off_policy_reasons(cfg, facts.kl_reads_logits)
+        reasons = off_policy_reasons(cfg, facts.kl_reads_logits, facts.teacher)
+        return not ppo.rollout.logprobs and not reasons
     return ppo.update.on_policy_shortcut
 
 

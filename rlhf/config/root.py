@@ -10,6 +10,7 @@ from rlhf.config.dpo import DPOConfig
 from rlhf.config.logger import LoggerConfig
 from rlhf.config.lora import LoraConfig
 from rlhf.config.model import ModelConfig
+from rlhf.config.opd import OPDConfig, TeacherConfig
 from rlhf.config.optim import OptimConfig
 from rlhf.config.pipeline import PipelineConfig
 from rlhf.config.ppo import PPOConfig
@@ -46,6 +47,8 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # algo=opd's frozen teacher
+    opd: OPDConfig = field(default_factory=OPDConfig)  # on-policy distillation's signal
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # the run's randomness: sampling, dropout, the order of the training rows and (model=tiny)
     # the initial weights; data.seed fixes which rows

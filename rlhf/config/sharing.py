@@ -118,18 +118,18 @@ def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
 # --- step=all: what each of its steps runs with --------------------------------------------------
 
 
-def pipeline_steps(composed: dict) -> list[str]:
+def pipeline_steps(composed: dict, reward_model: bool) -> list[str]:
     """The steps step=all runs for a composed (resolved) config: pipeline.steps, less the reward
-    model's when ppo.reward.function replaces it (rlhf.steps.all.pipeline)."""
-    rule = composed["ppo"]["reward"]["function"] is not None
-    return [s for s in composed["pipeline"]["steps"] if s != "reward" or not rule]
+    model's when none is read (``reward_model``: rlhf.registry.uses_reward_model, false where
+    ppo.reward.function replaces it or OPD reads no task reward)."""
+    return [s for s in composed["pipeline"]["steps"] if s != "reward" or reward_model]
 
 
 # the sections each step of step=all does not read (sft and reward: rlhf.config.NOT_READ_BY)
 UNREAD = {
     **NOT_READ_BY,
     "ppo": ("model", "zero", "lora", "optim", "sft", "reward", "dpo", "pipeline"),
-    "dpo": ("actor", "critic", "sft", "reward", "pipeline"),
+    "dpo": ("actor", "critic", "teacher", "opd", "sft", "reward", "pipeline"),
 }
 
 

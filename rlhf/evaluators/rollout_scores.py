@@ -6,10 +6,12 @@ worse: reward hacking."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlhf.algos import distillation
 from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config
 from rlhf.data.collate import rows_at
@@ -24,7 +26,13 @@ from rlhf.evaluators.gold_grading import (
     repeated,
 )
 from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
-from rlhf.rl.experience import answer_kl, mask_short_answers, reward_scores
+from rlhf.rl.experience import (
+    answer_kl,
+    mask_short_answers,
+    reference_args,
+    response_logprobs,
+    reward_scores,
+)
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling
 from rlhf.rl.ppo_models import Models, max_new_tokens
 from rlhf.runtime.dist import rank, world_size
@@ -40,8 +48,12 @@ class PPOEvaluator:
     eval/gold_accuracy_sampled (and halves), eval/reward_sampled, eval/kl (the KL to the
     reference as ppo/kl measures it: the configured estimator at the sampling temperature, in
     the loss's precision, summed over an answer, short answers left out) and
-    eval/gold_score_corr (how the reward tracks the checker on the policy's own samples). Warns when the reward rises while the checker says the answers got
-    worse (without a checker: while the answer length drifts): reward hacking."""
+    eval/gold_score_corr (how the reward tracks the checker on the policy's own samples).
+    With algo=opd's teacher: eval/teacher_kl (the student-teacher gap, opd.loss's, summed over
+    each sampled answer) at every evaluation, and the teacher's own answers scored once
+    (eval/teacher_reward, eval/teacher_gold_*), so a run shows the distance it closes. Warns
+    when the reward rises while the checker says the answers got worse (without a checker:
+    while the answer length drifts): reward hacking."""
 
     sample_columns = ("prompt", "answer", "reward", "gold")
 
@@ -54,9 +66,15 @@ class PPOEvaluator:
         score_position: str,
         reward_stats,
         rollouts,
+        teacher_rollouts=None,
+        generated_tokens: Callable[[], int] = lambda: 0,
     ):
-        """``rollouts``: the decoder of the rollouts (rlhf.rl.rollouts: hf or vLLM)."""
+        """``rollouts``: the decoder of the rollouts (rlhf.rl.rollouts: hf or vLLM);
+        ``teacher_rollouts``: the teacher's (algo=opd), which answers once;
+        ``generated_tokens``: the run's answer tokens generated so far, logged with each
+        evaluation (perf/generated_tokens) so that runs compare at equal generation cost."""
         self.cfg, self.tokenizer, self.eot, self.rollouts = cfg, tokenizer, eot, rollouts
+        self.teacher_rollouts, self.generated_tokens = teacher_rollouts, generated_tokens
         self.score_position, self.reward_stats = score_position, reward_stats
         ppo = cfg.ppo
         gold = checkable_rows(eval_rows, ppo.eval.prompts)
@@ -87,6 +105,8 @@ class PPOEvaluator:
                 "eval/kl": rank_mean(sampled["kl"]),
             }
         )
+        if models.teacher is not None:
+            metrics["eval/teacher_kl"] = rank_mean(sampled["teacher_kl"])
         if self.multi_turn:  # turns, tool calls and errors, the environment's metrics
             metrics.update(greedy["episodes"].metrics("eval"))
             metrics.update(sampled["episodes"].metrics("eval", "_sampled"))
@@ -96,12 +116,38 @@ class PPOEvaluator:
             metrics["eval/gold_score_corr"] = rank_correlation(
                 sampled["reward"], [float(g.passed) for g in sampled["grade"]]
             )
+        if self.teacher_rollouts is not None:  # once: the teacher does not train
+            metrics.update(self._teacher_scores(models))
+            self.teacher_rollouts = None
         self._watch(metrics)
-        return metrics
+        return {**metrics, "perf/generated_tokens": float(self.generated_tokens())}
 
-    def _answers(self, models: Models, sampling: Sampling, rows: list[dict]) -> dict[str, list]:
-        """This rank's answers to its shard of ``rows``: reward, KL, length and grade of each."""
+    def _teacher_scores(self, models: Models) -> dict[str, float]:
+        """The teacher's own greedy and sampled answers to the held-out prompts, scored as the
+        student's are: eval/teacher_reward (with a reward) and eval/teacher_gold_* (with a
+        checker)."""
+        teacher = models._replace(actor=models.teacher, teacher=None)
+        rollouts = self.teacher_rollouts
+        greedy = self._answers(teacher, self.greedy, self.rows, rollouts)
+        samples = repeated(self.rows, self.cfg.ppo.eval.samples)
+        sampled = self._answers(teacher, self.sampled, samples, rollouts)
+        out = {}
+        if models.reward is not None:  # no reward (OPD alone): nothing to compare
+            out["eval/reward"] = rank_mean(greedy["reward"])
+            out["eval/reward_sampled"] = rank_mean(sampled["reward"])
+        if self.checkable:
+            out.update(gold_metrics(gold_sums(greedy["grade"])))
+            out.update(gold_metrics(gold_sums(sampled["grade"]), "_sampled"))
+        return {key.replace("eval/", "eval/teacher_"): value for key, value in out.items()}
+
+    def _answers(
+        self, models: Models, sampling: Sampling, rows: list[dict], rollouts=None
+    ) -> dict[str, list]:
+        """This rank's answers to its shard of ``rows`` (decoded by ``rollouts``, the actor's
+        by default): reward, KL, length, grade and, with a teacher, teacher KL of each."""
+        rollouts = rollouts or self.rollouts
         out: dict[str, Any] = {"reward": [], "kl": [], "length": [], "grade": []}
+        out["teacher_kl"] = []
         out["episodes"] = EpisodeTally()
         shards = eval_shards(len(rows), EVAL_BATCH_ROWS, world_size(), rank())
         for batch_index, (indices, valid) in enumerate(shards):
@@ -109,8 +155,8 @@ class PPOEvaluator:
             # the same seeds at every evaluation on vLLM (whose RNG is its own); the hf path
             # samples from the process's RNG as before
             seed = self.eval_seed(batch_index) if self.cfg.ppo.rollout.engine == "vllm" else None
-            rollout = self.rollouts.generate([r["prompt_ids"] for r in batch], sampling, seed)
-            reward, kl = self._score(models, rollout, sampling)
+            rollout = rollouts.generate([r["prompt_ids"] for r in batch], sampling, seed)
+            reward, kl, teacher_kl = self._score(models, rollout, sampling)
             answers = decode_responses(self.tokenizer, rollout)
             grades = [grade(r, a) if self.checkable else None for r, a in zip(batch, answers)]
             lengths = rollout.response_mask.sum(1).tolist()  # the model's tokens
@@ -120,7 +166,9 @@ class PPOEvaluator:
                 out["kl"].append(kl[i].item())
                 out["length"].append(lengths[i])
                 out["grade"].append(grades[i])
-            if sampling is self.greedy:
+                if teacher_kl is not None:
+                    out["teacher_kl"].append(teacher_kl[i].item())
+            if sampling is self.greedy and rollouts is self.rollouts:
                 self.samples = [
                     [r["prompt"], a, float(s), bool(g and g.passed)]
                     for r, a, s, g in zip(batch[:4], answers[:4], reward[:4], grades[:4])
@@ -135,27 +183,25 @@ class PPOEvaluator:
 
     def _score(
         self, models: Models, rollout: Rollout, sampling: Sampling
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,) rewards (normalised as in training) and KL estimates summed over each answer,
-        under the temperature the answers were drawn at."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(B,) rewards (normalised as in training), KL estimates and (with a teacher) the
+        student-teacher gap, both summed over each answer, under the temperature the answers
+        were drawn at."""
         device = model_device(models.actor)
         sequences, mask = rollout.sequences.to(device), rollout.attention_mask.to(device)
         start = rollout.prompt_width - 1
         ppo = self.cfg.ppo
         temperature = 1.0 if sampling.greedy else sampling.temperature
         fp32 = self.cfg.actor.optim.compute_fp32_loss  # as the rollouts score them
-        per_token = answer_kl(
-            models.actor,
-            models.reference,
-            sequences,
-            mask,
-            start,
-            ppo.kl.estimator,
+        logprob_args = dict(
             fp32=fp32,
             temperature=temperature,
             truncation=(ppo.rollout.top_k, ppo.rollout.top_p)
             if ppo.rollout.truncates and not sampling.greedy
             else None,
+        )
+        per_token = answer_kl(
+            models.actor, models.reference, sequences, mask, start, ppo.kl.estimator, **logprob_args
         )
         response_mask = rollout.response_mask.to(device)
         kl_mask = response_mask
@@ -168,7 +214,13 @@ class PPOEvaluator:
         if self.reward_stats is not None:
             scores = (scores - self.reward_stats[0]) / max(self.reward_stats[1], 1e-6)
         scores = episode_scores(scores, rollout)
-        return scores.double().cpu(), kl.double().cpu()
+        teacher_kl = None
+        if models.teacher is not None:
+            gap = answer_teacher_gap(
+                models, sequences, mask, start, kl_mask, self.cfg, logprob_args
+            )
+            teacher_kl = masked_sum(gap, kl_mask, dim=1).double().cpu()
+        return scores.double().cpu(), kl.double().cpu(), teacher_kl
 
     def _watch(self, metrics: dict[str, float]) -> None:
         """With a checker, reward hacking is a reward that rises while greedy gold accuracy or
@@ -197,3 +249,26 @@ class PPOEvaluator:
                 metrics["eval/reward"],
                 why,
             )
+
+
+def answer_teacher_gap(
+    models: Models, sequences, attention_mask, start: int, response_mask, cfg: Config, logprob_args
+) -> torch.Tensor:
+    """(B, R) the student-teacher gap (opd.loss's) of each answer token, as training takes it:
+    the student's log-probs (and logits for top-k) and the teacher's whole distribution."""
+    topk = cfg.opd.loss == "topk"
+    logprobs, logits = response_logprobs(
+        models.actor, sequences, attention_mask, start, **logprob_args
+    )
+    teacher_logprobs, teacher_logits = response_logprobs(
+        models.teacher, sequences, attention_mask, start, **reference_args(logprob_args)
+    )
+    return distillation.teacher_gap(
+        cfg.opd.loss,
+        logprobs.float(),
+        teacher_logprobs.float(),
+        response_mask,
+        logits if topk else None,
+        teacher_logits if topk else None,
+        cfg.opd.topk,
+    )

@@ -33,6 +33,7 @@ def run_facts(config: Config) -> Facts:
         models=ppo_model_facts(config),
         step_model=step_model_facts(config, device, bf16),
         kl_reads_logits=registry.kl_needs_logits(ppo.kl.estimator),
+        teacher=registry.uses_teacher(ppo),
         aggregation=registry.loss_aggregation_default(ppo),
     )
 
@@ -59,8 +60,10 @@ def ppo_model_facts(config: Config) -> dict[str, ModelFacts | None]:
     }
     if registry.uses_critic(config.ppo):
         roles["critic"] = (critic.model, critic.model.path)
-    if config.ppo.reward.function is None:
+    if registry.uses_reward_model(config):
         roles["reward"] = (critic.model, critic.reward_model_source)
+    if registry.uses_teacher(config.ppo):
+        roles["teacher"] = (config.teacher.model, config.teacher.model.path)
     return {role: _with_mask(model, path) for role, (model, path) in roles.items()}
 
 

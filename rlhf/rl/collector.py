@@ -129,7 +129,8 @@ class Collector:
     def _score(
         self, rollout, sampled, shaping: Shaping, baselines, measure_gap: bool
     ) -> Experience:
-        """The rollout scored by the four models (old log-probs, reference, values, reward)."""
+        """The rollout scored by the four models (old log-probs, reference, values, reward) and
+        algo=opd's teacher."""
         models = self.models
         device = model_device(models.actor)
         exp = make_experience(
@@ -142,6 +143,7 @@ class Collector:
             device,
             baselines,
             self.old_from_update,
+            models.teacher,
         )
         if self.keep_sampler_logprobs:
             exp = exp._replace(sampler_logprobs=sampled.to(device).float())

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from rlhf.algos import distillation
 from rlhf.algos.kl import compute_rewards, per_token_kl
 from rlhf.algos.logits import logprobs_from_logits, truncated_logits
 from rlhf.algos.preference import sequence_scores
@@ -51,6 +52,8 @@ class Experience(NamedTuple):
         None: not recorded.
     sampler_logprobs: (B, R) log p of each response token under the engine that sampled it
         (vLLM), for ppo.rollout.correction; None: the sampler is the trainer.
+    teacher_gap: (B, R) the student-teacher gap of each answer token (algo=opd, opd.loss's);
+        None without a teacher.
     """
 
     sequences: torch.Tensor
@@ -68,6 +71,7 @@ class Experience(NamedTuple):
     short: torch.Tensor
     unterminated: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
+    teacher_gap: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> Experience:
         """The same experience restricted to rows ``index``."""
@@ -165,8 +169,11 @@ def reward_scores(
     packing: RowPacking | None = None,
 ) -> torch.Tensor:
     """(B,) float32 scores of whole answers: the reward model's at ``score_position`` of the
-    answer, or a rule-based RewardFunction's. response_mask: (B, R) the generated answer
-    tokens, before any are masked out of the losses."""
+    answer, or a rule-based RewardFunction's; 0 without either (algo=opd without the task's
+    reward). response_mask: (B, R) the generated answer tokens, before any are masked out of
+    the losses."""
+    if reward_model is None:
+        return torch.zeros(sequences.shape[0], device=sequences.device)
     if isinstance(reward_model, RewardFunction):
         return reward_model(sequences, attention_mask, prompt_width, response_mask)
     full_response = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -209,10 +216,12 @@ def make_experience(
     device: torch.device,
     baselines: torch.Tensor | None = None,
     old_from_update: bool = False,
+    teacher=None,
 ) -> Experience:
-    """Score a rollout with the four models (three without a critic: ``critic`` None) and
-    compute rewards and advantages (``baselines``: (B,) ReMax's greedy-answer rewards). The old
-    log-probs are the rollout's own when it carries them, else a forward of the actor; with
+    """Score a rollout with the four models (three without a critic: ``critic`` None; algo=opd's
+    ``teacher`` a fifth) and compute rewards and advantages (``baselines``: (B,) ReMax's
+    greedy-answer rewards). The old log-probs are the rollout's own when it carries them (and
+    no exact KL or top-k teacher gap needs the actor's logits), else a forward of the actor; with
     ``old_from_update`` (ppo.update.on_policy_shortcut) neither: they and the KL stay NaN until the
     update's forward fills them (:func:`with_update_kl`).
 
@@ -221,7 +230,7 @@ def make_experience(
     must come from the training kernels the update uses. (Every dropout of a trained PPO model
     is 0, rlhf.checks.validate checks it, so eval and train mode compute the same function.)"""
     with eval_modules(*(m for m in (actor, critic) if m is not None)):
-        models = (actor, reference, critic, reward_model)
+        models = (actor, reference, critic, reward_model, teacher)
         return _score(rollout, *models, shaping, device, baselines, old_from_update)
 
 
@@ -231,6 +240,7 @@ def _score(
     reference,
     critic,
     reward_model,
+    teacher,
     shaping: Shaping,
     device: torch.device,
     baselines: torch.Tensor | None,
@@ -253,15 +263,32 @@ def _score(
     logprob_args = scoring_args(shaping, sequences, attention_mask)
     packing = logprob_args["packing"]
     exact_kl = kl_needs_logits(shaping.kl_estimator)  # both models' (B, R, V) logits
+    teacher_topk = teacher is not None and shaping.teacher_loss == "topk"  # and the teacher's
+    keep_logits = exact_kl or teacher_topk
     old_logprobs = old_logits = None
     # the sampling pass computed them, but keeps no distributions for an exact KL
-    if rollout.logprobs is not None and not exact_kl and not old_from_update:
+    if rollout.logprobs is not None and not keep_logits and not old_from_update:
         old_logprobs = rollout.logprobs.to(device)
     elif not old_from_update:
         old_logprobs, old_logits = response_logprobs(
             actor, sequences, attention_mask, start, **logprob_args
         )
-        old_logits = old_logits if exact_kl else None  # freed before the next forward
+        old_logits = old_logits if keep_logits else None  # freed before the next forward
+    gap = None
+    if teacher is not None:  # it scores the student's tokens as the reference does
+        logprobs, logits = response_logprobs(
+            teacher, sequences, attention_mask, start, **reference_args(logprob_args)
+        )
+        gap = distillation.teacher_gap(
+            shaping.teacher_loss,
+            old_logprobs,
+            logprobs,
+            response_mask,
+            *((old_logits, logits) if teacher_topk else (None, None)),
+            shaping.teacher_topk,
+        )
+        old_logits = old_logits if exact_kl else None
+        del logprobs, logits
     ref_logprobs, ref_logits = response_logprobs(
         reference, sequences, attention_mask, start, **reference_args(logprob_args)
     )
@@ -293,7 +320,7 @@ def _score(
     )
     if old_from_update:
         kl = torch.full_like(kl, math.nan)
-    batch = AdvantageInputs(rewards, outcomes, old_values, response_mask, baselines)
+    batch = AdvantageInputs(rewards, outcomes, old_values, response_mask, baselines, gap)
     advantages, returns = ESTIMATORS[shaping.estimator].compute(batch, shaping.advantage_params)
     return Experience(
         sequences=sequences,
@@ -310,6 +337,7 @@ def _score(
         returns=returns,
         short=short,
         unterminated=unterminated,
+        teacher_gap=gap,
     )
 
 

@@ -123,6 +123,18 @@ def rollout_metrics(experiences: list[Experience]) -> dict[str, float]:
     }
 
 
+def teacher_metrics(experiences: list[Experience]) -> dict[str, float]:
+    """ppo/teacher_kl: algo=opd's student-teacher gap (opd.loss's) summed over each answer,
+    the mean over the rows of all ranks that are not short (as ppo/kl)."""
+    rows = gap = 0.0
+    for e in experiences:
+        keep = ~e.short
+        rows += float(keep.sum())
+        gap += masked_sum(e.teacher_gap, e.response_mask & keep.unsqueeze(1)).item()
+    rows, gap = all_reduce_sum(rows, gap)
+    return {"ppo/teacher_kl": gap / max(rows, 1.0)}
+
+
 def correction_metrics(experiences: list[Experience], ppo: PPOConfig) -> dict[str, float]:
     """ppo/tis_weight_mean, ppo/tis_clipfrac, ppo/tis_masked_frac, ppo/tis_ratio_mean: the
     sampler / trainer correction (ppo.rollout.correction) over every rank's answer tokens."""
@@ -151,13 +163,16 @@ def concat(experiences: list[Experience]) -> Experience:
     for name in Experience._fields:
         if name == "prompt_width":
             stacked[name] = prompt_width
-        elif name == "sampler_logprobs" and all(e.sampler_logprobs is None for e in experiences):
+        elif name in OPTIONAL and all(getattr(e, name) is None for e in experiences):
             stacked[name] = None
         else:
             stacked[name] = torch.cat(
                 [_pad(e, name, prompt_width, response_width) for e in experiences]
             )
     return Experience(**stacked)
+
+
+OPTIONAL = ("sampler_logprobs", "teacher_gap")  # None in every batch: None stacked
 
 
 def _pad(e: Experience, field: str, prompt_width: int, response_width: int) -> torch.Tensor:

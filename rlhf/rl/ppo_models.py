@@ -45,9 +45,10 @@ class Models(NamedTuple):
     actor: object  # DeepSpeed engine around the causal LM (PEFT-wrapped with LoRA)
     reference: object  # frozen copy of the SFT model
     critic: object | None  # engine around a ValueModel from the reward model; None: critic-free
-    reward: object  # frozen reward model (a ValueModel), or a RewardFunction
+    reward: object | None  # frozen reward model (a ValueModel), a RewardFunction, or None (OPD)
     actor_config: object
     critic_config: object | None
+    teacher: object | None = None  # algo=opd's frozen teacher (teacher.*), else None
 
 
 def build_models(
@@ -117,6 +118,8 @@ def build_models(
             log.info("%s: %s", role, engine_summary(engine))
     if ppo.reward.function is not None:
         reward = RewardFunction(ppo.reward.function, tokenizer, prompt_tasks(cfg))
+    elif not registry.uses_reward_model(cfg):  # OPD without the task's reward: none to read
+        reward = None
     else:
         reward = frozen(
             cfg.critic,
@@ -125,7 +128,27 @@ def build_models(
             load_value_model,
             critic_attn,
         )
-    return Models(actor, reference, critic, reward, actor_config, critic_config)
+    teacher = (
+        build_teacher(cfg, tokenizer, shape.micro_batch_size)
+        if registry.uses_teacher(ppo)
+        else None
+    )
+    return Models(actor, reference, critic, reward, actor_config, critic_config, teacher)
+
+
+def build_teacher(cfg: Config, tokenizer, micro_batch_size: int):
+    """algo=opd's teacher: frozen, in its own dtype, at its own ZeRO stage (partitioned at 3,
+    as the reference), never sharing weights with the student (a LoRA student's reference is
+    its disabled adapters; the teacher is a model of its own)."""
+    teacher, dtype = cfg.teacher, cfg.teacher.model.dtype  # resolved: fp32, bf16 or fp16
+    attn = attention(
+        teacher.model, device_type(cfg.device), dtype, cfg.data.max_seq_len, decodes=True
+    )
+    model = load_causal_lm(teacher.model, teacher.model.path, tokenizer, dtype, None, attn)
+    log.info("teacher: %s (%s, ZeRO-%d)", teacher.model.path, dtype, teacher.zero.stage)
+    return initialize_frozen(
+        model, teacher.zero.stage, teacher.zero.offload, dtype, micro_batch_size
+    )
 
 
 def prompt_tasks(cfg: Config) -> list[str]:
@@ -237,9 +260,11 @@ def load_tokenizer_pair(cfg: Config):
     they read the actor's tokens."""
     tokenizer = load_tokenizer(cfg.actor.model, cfg.actor.model.path)
     others = {"actor.reference_path": (cfg.actor.model, cfg.actor.reference_path)}
-    if registry.reads_critic_path(cfg.ppo):  # a critic or a reward model
+    if registry.reads_critic_path(cfg):  # a critic or a reward model
         others["critic.model.path"] = (cfg.critic.model, cfg.critic.model.path)
         others["critic.reward_model_path"] = (cfg.critic.model, cfg.critic.reward_model_path)
+    if registry.uses_teacher(cfg.ppo):  # it scores the student's tokens
+        others["teacher.model.path"] = (cfg.teacher.model, cfg.teacher.model.path)
     for key, (model, path) in others.items():
         if path is None:
             continue

@@ -44,10 +44,23 @@ class Shaping:
     max_new_tokens: int = 0  # the answer cap the overlong penalty counts from
     overlong_buffer: int = 0  # DAPO's overlong penalty: its ramp in tokens (0: off)
     overlong_penalty: float = 1.0  # and what an answer at the cap loses
+    # algo=opd: the student-teacher gap (opd.loss: sampled | topk, over opd.topk tokens), its
+    # weight in the advantage and whether the task's advantages join it
+    teacher_loss: str = "sampled"
+    teacher_topk: int = 0
+    teacher_coef: float = 1.0
+    task_reward: bool = False
 
     @property
     def advantage_params(self) -> AdvantageParams:
-        return AdvantageParams(self.gamma, self.lam, self.group_size, self.std_normalize)
+        return AdvantageParams(
+            self.gamma,
+            self.lam,
+            self.group_size,
+            self.std_normalize,
+            self.teacher_coef,
+            self.task_reward,
+        )
 
 
 def iteration_shaping(cfg: Config, kl_coef: float, score_position: str, reward_stats) -> Shaping:
@@ -75,6 +88,10 @@ def iteration_shaping(cfg: Config, kl_coef: float, score_position: str, reward_s
         max_new_tokens=ppo.rollout.max_new_tokens,  # resolved: 0 was what max_seq_len leaves
         overlong_buffer=ppo.reward.overlong_buffer,  # resolved: a fifth of the budget (null)
         overlong_penalty=ppo.reward.overlong_penalty,
+        teacher_loss=cfg.opd.loss,
+        teacher_topk=cfg.opd.topk,
+        teacher_coef=cfg.opd.kl_coef,
+        task_reward=cfg.opd.task_reward,
     )
 
 

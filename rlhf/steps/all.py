@@ -28,6 +28,7 @@ from pathlib import Path
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf import registry
 from rlhf.config import NOT_READ_BY, Config
 from rlhf.config.sharing import share_command_line
 from rlhf.runtime.dist import from_main, is_main
@@ -91,7 +92,7 @@ def compose_steps(
         return cfg
 
     steps = config.pipeline.steps
-    with_reward = "ppo" in steps and composed("ppo", []).ppo.reward.function is None
+    with_reward = "ppo" in steps and registry.uses_reward_model(composed("ppo", []))
     order = pipeline(steps, with_reward)
     out: dict[str, DictConfig] = {}
     dirs: dict[str, Path] = {}
@@ -148,7 +149,13 @@ def run(
     """Run the pipeline: ``steps`` maps each step to its typed and resolved config; ``shared``
     the steps that run in pipeline.share_dir, and where (see shared_dirs)."""
     if "ppo" in steps and "reward" not in steps:
-        log.info("step=all: ppo.reward.function is set, so no reward model is trained (sft -> ppo)")
+        ppo = steps["ppo"][0].ppo
+        why = (
+            f"ppo.reward.function={ppo.reward.function} scores the answers"
+            if ppo.reward.function
+            else f"ppo.advantage.estimator={ppo.advantage.estimator} reads no task reward"
+        )
+        log.info("step=all: %s, so no reward model is trained (sft -> ppo)", why)
     if is_main():  # the pipeline's own config; each step writes its own in its directory
         write_resolved(info)
     group = info.group or info.run_dir.name

@@ -30,6 +30,7 @@ from rlhf.rl.experience_batch import (
     correction_metrics,
     keep_varied_groups,
     rollout_metrics,
+    teacher_metrics,
     whiten_advantages,
     with_update_kl,
 )
@@ -47,6 +48,7 @@ from rlhf.steps.ppo_parts import (
     log_plan,
     prompt_rows,
     resolve_after_build,
+    teacher_decoder,
     tokenizer_and_end,
     train_models,
 )
@@ -84,6 +86,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
             "perf/gen_tokens_per_s": gen_speed.metrics()["perf/tokens_per_s"],
             # answer tokens the rollouts generated, all ranks (since the last resume)
             "perf/gen_tokens": all_reduce_sum(float(gen_speed.tokens))[0],
+            # and over the whole run, resumes included (the rows' perf/generated_tokens)
+            "perf/generated_tokens": float(setup.run.state.tokens_seen),
             "perf/s_per_iter": (gen_speed.seconds + setup.train_speed.seconds) / steps,
             # each phase's mean seconds an iteration (since the last resume)
             **{
@@ -143,6 +147,8 @@ class PPOTrainer:
             self.score_position,
             self.reward_stats,
             self.rollouts,
+            teacher_decoder(self.cfg, self.models, self.tokenizer, eot, env),
+            lambda: self.run.state.tokens_seen,
         )
         self.kl = kl_controller(ppo)
         keep_state(self.run, self.kl, self.evaluator, self.ptx, self.ema)
@@ -157,7 +163,7 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
     the estimator asks, the PPO epochs, the EMA, the updated weights to the decoder, the KL
     coefficient; returns the iteration's metrics (collective)."""
     cfg, ppo, state, clock = setup.cfg, setup.cfg.ppo, setup.run.state, setup.collect.clock
-    started = time.perf_counter()
+    started, tokens_before = time.perf_counter(), setup.collect.speed.tokens
     shaping = iteration_shaping(cfg, setup.kl.value, setup.score_position, setup.reward_stats)
     batches = setup.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
     # the same iterations on every rank (its metrics are collective); they line up with the
@@ -205,7 +211,10 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
     with clock.phase("sync"):
         sync_weights(setup.rollouts)  # vLLM: the updated actor's weights (the engine woken)
     setup.kl.update(rollout_stats["ppo/kl"], setup.plan.global_batch_size)
-    state.advance(setup.plan.steps_per_epoch, setup.plan.global_batch_size, 0)
+    # tokens_seen: the answer tokens every rank generated to train on, the run's whole (a
+    # checkpoint keeps it), so methods compare at equal generation cost
+    generated = all_reduce_sum(float(setup.collect.speed.tokens - tokens_before))[0]
+    state.advance(setup.plan.steps_per_epoch, setup.plan.global_batch_size, int(generated))
     seconds = time.perf_counter() - started
     split = phase_split(clock.take(), seconds)
     clock.add("other", split["perf/other_s"])
@@ -215,10 +224,12 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         **(setup.collect.gap.metrics() if measure_gap else {}),
         **(setup.collect.episodes.metrics("rollout") if multi_turn(setup) else {}),
         **(correction_metrics([rollout], ppo) if ppo.rollout.correction != "none" else {}),
+        **(teacher_metrics([rollout]) if rollout.teacher_gap is not None else {}),
         **update_stats,
         "ppo/kl_coef": setup.kl.value,
         "ppo/skipped_updates": setup.run.guard.skipped,
         "perf/s_per_iter": seconds,
+        "perf/generated_tokens": float(state.tokens_seen),
         **split,
         "perf/gen_tokens_per_s": setup.collect.speed.metrics()["perf/tokens_per_s"],
         **setup.train_speed.metrics(),

@@ -21,7 +21,7 @@ from rlhf.rl.collector import Collector
 from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.ppo_models import Models, build_models, load_tokenizer_pair, max_new_tokens
-from rlhf.rl.rollouts import HFDecoder, build_rollouts
+from rlhf.rl.rollouts import HFDecoder, ModuleDecoder, build_rollouts
 from rlhf.runtime.dist import world_size
 from rlhf.steps.loop import Run, RunInfo, total_steps
 
@@ -33,7 +33,7 @@ def tokenizer_and_end(cfg: Config) -> tuple[object, int]:
     reward model must have learnt to score (its step-2 export records the one it saw)."""
     tokenizer = load_tokenizer_pair(cfg)
     eot = end_of_text_id(cfg.actor.model, tokenizer)
-    if cfg.ppo.reward.function is None:
+    if registry.uses_reward_model(cfg):
         stats = read_stats(cfg.critic.reward_model_source)
         if problem := end_of_text_problem(eot, stats, reward_model_setting(cfg), tokenizer):
             raise ConfigError(problem)
@@ -98,6 +98,21 @@ def decoder(cfg: Config, models: Models, tokenizer, eot: int, dtype: str, env):
     return EpisodeRollouts(rollouts, env, tokenizer, bounds, budget, eot, synced)
 
 
+def teacher_decoder(cfg: Config, models: Models, tokenizer, eot: int, env):
+    """algo=opd's teacher answering the held-out prompts once, with its own module on the hf
+    path whatever ppo.rollout.engine is (a second vLLM engine for one evaluation would cost
+    more than it saves); None without a teacher."""
+    if models.teacher is None:
+        return None
+    synced = (cfg.teacher.zero.stage == 3 or cfg.teacher.zero.offload) and world_size() > 1
+    module = getattr(models.teacher, "module", models.teacher)
+    decoder = ModuleDecoder(module, tokenizer.pad_token_id, eot, synced)
+    if env is None:
+        return decoder
+    bounds, budget = cfg.ppo.rollout.multi_turn, max_new_tokens(cfg)
+    return EpisodeRollouts(decoder, env, tokenizer, bounds, budget, eot, synced)
+
+
 def collector(cfg: Config, models: Models, tokenizer, eot: int, rollouts) -> Collector:
     """The collector of experience: old log-probs from the sampling pass, the update's forward
     or a scoring forward as the resolved config says."""
@@ -160,7 +175,7 @@ def train_models(cfg: Config, tokenizer, dtype: str, iterations: int) -> Models:
             "ppo.advantage.estimator=%s: no critic is built; the critic.* keys are ignored%s",
             ppo.advantage.estimator,
             f" but {reward_model_setting(cfg).split('=')[0]}, which names the reward model"
-            if registry.reads_critic_path(ppo)
+            if registry.reads_critic_path(cfg)
             else "",
         )
     return models
@@ -187,7 +202,7 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
         )
     log.info(
         "PPO (%s): %d prompts, %d iterations of %d prompts x %d answers x %d PPO epochs, actor "
-        "ZeRO-%d, reward model ZeRO-%d, %d rank(s), reward: %s",
+        "ZeRO-%d, %d rank(s), reward: %s",
         ppo.advantage.estimator,
         prompts,
         iterations,
@@ -195,13 +210,31 @@ def log_plan(cfg: Config, collect: Collector, prompts: int, iterations: int, pla
         ppo.rollout.samples_per_prompt,
         ppo.update.epochs,
         cfg.actor.zero.stage,
-        cfg.critic.zero.stage,
         world_size(),
-        f"function {ppo.reward.function}"
-        if ppo.reward.function
-        else cfg.critic.reward_model_source,
+        reward_source(cfg),
     )
+    if registry.uses_teacher(ppo):
+        log.info(
+            "OPD: the advantage is -%g x the student-teacher gap (opd.loss=%s)%s; teacher %s at "
+            "ZeRO-%d",
+            cfg.opd.kl_coef,
+            cfg.opd.loss,
+            " plus the task's group-normalised advantages" if cfg.opd.task_reward else "",
+            cfg.teacher.model.path,
+            cfg.teacher.zero.stage,
+        )
     log.info("PPO old log-probs: %s", old_logprobs_source(ppo))
+
+
+def reward_source(cfg: Config) -> str:
+    """What scores the answers, for the plan line."""
+    ppo = cfg.ppo
+    if ppo.reward.function:
+        trained = registry.reads_reward(ppo.advantage.estimator, cfg.opd.task_reward)
+        return f"function {ppo.reward.function}" + ("" if trained else " (logged, not trained on)")
+    if registry.uses_reward_model(cfg):
+        return f"{cfg.critic.reward_model_source} (ZeRO-{cfg.critic.zero.stage})"
+    return "none (opd.task_reward=false)"
 
 
 def old_logprobs_source(ppo: PPOConfig) -> str:
@@ -218,7 +251,7 @@ def old_logprobs_source(ppo: PPOConfig) -> str:
 def packing_problem(models: Models) -> str | None:
     """Why PPO's rows cannot be packed (the first model whose attention takes no 4D mask), or
     None when every model's does."""
-    trained = (models.actor, models.reference, models.critic, models.reward)
+    trained = (models.actor, models.reference, models.critic, models.reward, models.teacher)
     modules = [getattr(m, "module", m) for m in trained if isinstance(m, torch.nn.Module)]
     return next((p for p in map(block_mask_problem, modules) if p), None)
 

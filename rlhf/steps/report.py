@@ -123,8 +123,8 @@ def _unterminated(step: str, summary: dict[str, Any]) -> str | None:
     if share is None or share < 0.5:
         return None
     return (
-        f"{share:.0%} of the last rollout's answers were cut at ppo.rollout.max_new_tokens (the reward "
-        "model scores them at a token it never saw last)"
+        f"{share:.0%} of the last rollout's answers were cut at ppo.rollout.max_new_tokens (a "
+        "reward scores them unfinished; a reward model at a token it never saw last)"
     )
 
 
