@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from rlhf.algos import distillation
 from rlhf.algos.reductions import masked_sum
 from rlhf.config import Config
 from rlhf.data.collate import rows_at
@@ -29,9 +28,9 @@ from rlhf.rl.episodes import EpisodeRollouts, EpisodeTally, episode_scores
 from rlhf.rl.experience import (
     answer_kl,
     mask_short_answers,
-    reference_args,
     response_logprobs,
     reward_scores,
+    teacher_gap,
 )
 from rlhf.rl.generation import Rollout, Sampling, decode_responses, eval_sampling
 from rlhf.rl.ppo_models import Models, max_new_tokens
@@ -216,9 +215,10 @@ class PPOEvaluator:
         scores = episode_scores(scores, rollout)
         teacher_kl = None
         if models.teacher is not None:
-            gap = answer_teacher_gap(
-                models, sequences, mask, start, kl_mask, self.cfg, logprob_args
-            )
+            opd = self.cfg.opd
+            student = response_logprobs(models.actor, sequences, mask, start, **logprob_args)
+            rows, loss = (sequences, mask, start), (opd.loss, opd.topk)
+            gap = teacher_gap(models.teacher, student, rows, kl_mask, loss, logprob_args)
             teacher_kl = masked_sum(gap, kl_mask, dim=1).double().cpu()
         return scores.double().cpu(), kl.double().cpu(), teacher_kl
 
@@ -249,26 +249,3 @@ class PPOEvaluator:
                 metrics["eval/reward"],
                 why,
             )
-
-
-def answer_teacher_gap(
-    models: Models, sequences, attention_mask, start: int, response_mask, cfg: Config, logprob_args
-) -> torch.Tensor:
-    """(B, R) the student-teacher gap (opd.loss's) of each answer token, as training takes it:
-    the student's log-probs (and logits for top-k) and the teacher's whole distribution."""
-    topk = cfg.opd.loss == "topk"
-    logprobs, logits = response_logprobs(
-        models.actor, sequences, attention_mask, start, **logprob_args
-    )
-    teacher_logprobs, teacher_logits = response_logprobs(
-        models.teacher, sequences, attention_mask, start, **reference_args(logprob_args)
-    )
-    return distillation.teacher_gap(
-        cfg.opd.loss,
-        logprobs.float(),
-        teacher_logprobs.float(),
-        response_mask,
-        logits if topk else None,
-        teacher_logits if topk else None,
-        cfg.opd.topk,
-    )

@@ -275,20 +275,15 @@ def _score(
         )
         old_logits = old_logits if keep_logits else None  # freed before the next forward
     gap = None
-    if teacher is not None:  # it scores the student's tokens as the reference does
-        logprobs, logits = response_logprobs(
-            teacher, sequences, attention_mask, start, **reference_args(logprob_args)
+    if teacher is not None:
+        rows, loss = (
+            (sequences, attention_mask, start),
+            (shaping.teacher_loss, shaping.teacher_topk),
         )
-        gap = distillation.teacher_gap(
-            shaping.teacher_loss,
-            old_logprobs,
-            logprobs,
-            response_mask,
-            *((old_logits, logits) if teacher_topk else (None, None)),
-            shaping.teacher_topk,
+        gap = teacher_gap(
+            teacher, (old_logprobs, old_logits), rows, response_mask, loss, logprob_args
         )
         old_logits = old_logits if exact_kl else None
-        del logprobs, logits
     ref_logprobs, ref_logits = response_logprobs(
         reference, sequences, attention_mask, start, **reference_args(logprob_args)
     )
@@ -338,6 +333,21 @@ def _score(
         short=short,
         unterminated=unterminated,
         teacher_gap=gap,
+    )
+
+
+def teacher_gap(teacher, student, rows, response_mask, loss, logprob_args) -> torch.Tensor:
+    """(B, R) the student-teacher gap (``loss``: (opd.loss, opd.topk)) of each answer token:
+    the teacher scores the student's tokens under its whole tempered distribution, as the
+    reference is scored. student: its (B, R) log-probs and (B, R, V) logits (top-k reads
+    them; else None); rows: (sequences, attention_mask, start) as :func:`response_logprobs`."""
+    (logprobs, logits), (sequences, attention_mask, start), (name, k) = student, rows, loss
+    teacher_logprobs, teacher_logits = response_logprobs(
+        teacher, sequences, attention_mask, start, **reference_args(logprob_args)
+    )
+    both = (logits, teacher_logits) if name == "topk" else (None, None)
+    return distillation.teacher_gap(
+        name, logprobs.float(), teacher_logprobs.float(), response_mask, *both, k
     )
 
 
