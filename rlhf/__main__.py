@@ -15,7 +15,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlhf.cli import compose, ranks
 from rlhf.cli.run import run_job
@@ -36,7 +36,7 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) > 0 and ranks.prints_only(sys.argv):
         return  # under a launcher rank 0 prints the config alone
     compose.run_dir_errors_in_one_line()
-    OmegaConf.register_new_resolver("rlhf_now", ranks.run_time_str, replace=True)
+    compose.register_resolvers()
     register_configs()
     try:
         _hydra_main()

@@ -31,7 +31,8 @@ register_configs()
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 GROUPS.remove("experiment_step")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
-SWEEPS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
+SEARCHES = {"search_ppo"}  # search spaces (Optuna's), not grids: tests/test_search.py
+SWEEPS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if p.stem not in SEARCHES)
 
 
 @pytest.fixture

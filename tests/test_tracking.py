@@ -395,7 +395,7 @@ def test_the_rlhf_launcher_logs_its_table_failed_jobs_included(tmp_path, recorde
     sweep_dir = tmp_path / "sweep"
     launcher = RlhfLauncher()
     launcher.config = compose(["logger=wandb", "logger.mode=offline"])
-    launcher.jobs = list(enumerate(fake_sweep(sweep_dir)))
+    launcher.jobs = [(i, d, []) for i, d in enumerate(fake_sweep(sweep_dir))]
     launcher._log_to_wandb(sweep_dir)
     [(row, _)] = of(calls, "log")
     statuses = [r[2] for r in row[wandb_sweep.TABLE_KEY].data]

@@ -27,6 +27,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from rlhf.config import ConfigError
 from rlhf.tools import launcher as mechanics
 from rlhf.tools import refusals, sweep_summary, wandb_sweep
 
@@ -78,7 +79,11 @@ class RlhfLauncher(Launcher):
         self.summary_metrics = list(summary_metrics) if summary_metrics else None
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
-        self.jobs: list[tuple[int, Path]] = []  # every job launched so far, over all batches
+        self.jobs: list[tuple[int, Path, list[str]]] = []  # every job so far, over all batches
+        # the sweep dir's jobs from earlier commands (a search continued): they stay in the
+        # table, and a new job's index follows theirs; read at the first launch
+        self.earlier: dict[Path, int] | None = None
+        self.next_index = 0
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -130,16 +135,19 @@ class RlhfLauncher(Launcher):
     def _refuse_shared_dirs(self, jobs: list[PreparedJob]) -> None:
         """Two jobs in one directory would mix their checkpoints and records (and the second
         be refused by the first's run-dir lock, with the table showing both as it): stop the
-        sweep before any job runs, in one line."""
-        taken = {job_dir: idx for idx, job_dir in self.jobs}  # earlier batches' jobs
+        sweep before any job runs, in one line. A searcher that proposes a job an earlier batch
+        ran already (the same overrides) gets it again in its dir, where it resumes."""
+        taken = {job_dir: (idx, overrides) for idx, job_dir, overrides in self.jobs}
+        earlier = set(taken)
         for job in jobs:
-            if job.job_dir in taken:
+            idx, overrides = taken.get(job.job_dir, (None, None))
+            if idx is not None and not (job.job_dir in earlier and overrides == job.overrides):
                 mechanics.refuse(
-                    f"jobs {taken[job.job_dir]} and {job.index} of the sweep get the same directory "
+                    f"jobs {idx} and {job.index} of the sweep get the same directory "
                     f"{job.job_dir}: hydra.sweep.subdir must differ between jobs (its default, "
                     "${hydra.job.override_dirname}, names each job by its overrides)"
                 )
-            taken[job.job_dir] = job.index
+            taken[job.job_dir] = (job.index, job.overrides)
 
     def _refuse_what_every_job_would(self, jobs: list[PreparedJob], on_this_machine: bool) -> None:
         """A problem every job would be refused with (the hub offline, a missing file) is
@@ -151,7 +159,7 @@ class RlhfLauncher(Launcher):
     def _launch_one(self, job: PreparedJob) -> tuple[JobReturn, mechanics.JobFailed | None]:
         idx = job.index
         log.info(f"\t#{idx} : {job.shown}  (log: {job.job_dir / sweep_summary.LOG_FILE})")
-        self.jobs.append((idx, job.job_dir))
+        self.jobs.append((idx, job.job_dir, job.overrides))
         result = mechanics.run_job_process(job.command, job.job_dir, job.record, self.timeout_s)
         status = "COMPLETED" if result.ok else f"FAILED (exit status {result.returncode})"
         log.info(f"\t#{idx} : {status} in {result.wall_s:.1f} s")
@@ -162,6 +170,7 @@ class RlhfLauncher(Launcher):
         assert self.config is not None
         sweep_config = self._sweep_config(idx, overrides)
         job_dir = self._job_dir(sweep_config, overrides)
+        idx = self._index(job_dir, idx)
         args = [
             *mechanics.config_args(
                 OmegaConf.to_container(self.config.hydra.runtime.config_sources),
@@ -177,6 +186,18 @@ class RlhfLauncher(Launcher):
         record = {"index": idx, "overrides": overrides, "nproc_per_node": self.nproc_per_node}
         shown = " ".join(filter_overrides(overrides))
         return PreparedJob(idx, overrides, sweep_config, job_dir, cmd, record, shown)
+
+    def _index(self, job_dir: Path, idx: int) -> int:
+        """The job's index in the table: its earlier one where an earlier command ran it (a grid
+        resumed, a trial proposed again), else after every job the sweep dir has (a search
+        continued: Hydra's sweeper counts from 0 again)."""
+        if self.earlier is None:
+            found = sweep_summary.job_dirs(self._sweep_dir())
+            self.earlier = {d: i for d in found if (i := sweep_summary.job_index(d)) is not None}
+            self.next_index = max(self.earlier.values(), default=-1) + 1
+        idx = self.earlier.get(job_dir, max(idx, self.next_index))
+        self.next_index = max(self.next_index, idx + 1)
+        return idx
 
     def _sweep_config(self, idx: int, overrides: list[str]) -> DictConfig | None:
         """The job's composed config, or None when it does not compose (the job then runs and
@@ -232,7 +253,7 @@ class RlhfLauncher(Launcher):
             ret.task_name = job.sweep_config.hydra.job.name
         if ok:
             ret.status = JobStatus.COMPLETED
-            ret.return_value = mechanics.read_return_value(job.job_dir)
+            ret.return_value = self._objective(job)
             return ret, None
         how = "failed" if returncode is None else f"exited with status {returncode}"
         why = f" ({note})" if note else ""
@@ -242,12 +263,27 @@ class RlhfLauncher(Launcher):
         ret.status, ret.return_value = JobStatus.FAILED, err
         return ret, err
 
+    def _objective(self, job: PreparedJob) -> float | list[float] | None:
+        """The job's sweep.objective values; a metric its summary lacks stops the sweep in one
+        line (every job of it would hand its sweeper nothing to compare)."""
+        try:
+            value = mechanics.read_return_value(job.job_dir)
+        except ConfigError as err:
+            mechanics.refuse(f"sweep job #{job.index} ({job.job_dir}): {err}")
+        direction = OmegaConf.select(self.config, "hydra.sweeper.direction", default=None)
+        problem = mechanics.direction_problem(job.job_dir, direction)
+        if problem:
+            mechanics.refuse(f"sweep job #{job.index} ({job.job_dir}): {problem}")
+        return value
+
     def _sweep_dir(self) -> Path:
         assert self.config is not None
         return Path(str(self.config.hydra.sweep.dir)).absolute()
 
     def _records(self) -> list[sweep_summary.RunRecord]:
-        return [sweep_summary.load_record(d, label=str(i)) for i, d in self.jobs]
+        latest = {**(self.earlier or {}), **{job_dir: idx for idx, job_dir, _ in self.jobs}}
+        latest = dict(sorted(latest.items(), key=lambda item: item[1]))  # a job run again: one row
+        return [sweep_summary.load_record(d, label=str(i)) for d, i in latest.items()]
 
     def _write_summary(self, sweep_dir: Path) -> str:
         return sweep_summary.write_summary(self._records(), sweep_dir, "job", self.summary_metrics)

@@ -170,7 +170,7 @@ class SlurmLauncher(RlhfLauncher):
         submitted_jobs = slurm.submit(tasks, self.folder, sbatch, python)
         submitted = []
         for job, task, sjob in zip(jobs, tasks, submitted_jobs):
-            self.jobs.append((job.index, job.job_dir))
+            self.jobs.append((job.index, job.job_dir, job.overrides))
             record = {**task.record, "command": job.command, "status": "PENDING"}
             slurm.pending_record(job.job_dir, record, sjob.job_id, Path(sjob.paths.stdout))
             log.info(f"\t#{job.index} : {job.shown}  (SLURM job {sjob.job_id}, {job.job_dir})")

@@ -58,6 +58,30 @@ def check_modes(parsed) -> None:
         )
 
 
+# Hydra's sweepers that come in an extra of rlhf's: option -> (its plugin module, the extra)
+SWEEPER_EXTRAS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "search")}
+
+
+def check_sweeper_installed(parsed, conf_dir: Path) -> None:
+    """hydra/sweeper=optuna (on the command line, or as the -cn file's override) without its
+    plugin installed: Hydra would list the sweepers it has; this names the extra to install.
+    ``conf_dir``: where the primary config is when -cd is not given."""
+    import importlib.util
+    import re
+
+    chosen = [o.split("=", 1)[1] for o in parsed.overrides if o.startswith("hydra/sweeper=")]
+    primary = Path(parsed.config_dir or conf_dir) / f"{parsed.config_name or 'config'}.yaml"
+    if primary.is_file():
+        chosen += re.findall(r"override hydra/sweeper:\s*(\w+)", primary.read_text())
+    for name in chosen:
+        module, extra = SWEEPER_EXTRAS.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"hydra/sweeper={name}: Hydra's {name} sweeper is not installed; pip install "
+                f"-e '.[{extra}]' in the checkout (or pip install 'rlhf[{extra}]')"
+            )
+
+
 def check_yaml_files(config_dirs: list[Path]) -> None:
     """Every YAML file under ``config_dirs`` parses (the shipped conf/ and sweeps/, in tests)."""
     for config_dir in config_dirs:

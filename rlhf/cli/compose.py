@@ -26,6 +26,21 @@ from rlhf.config.sharing import (
 )
 
 
+def sqlite_url(path: str) -> str:
+    """``${rlhf_sqlite:PATH}``: an SQLite URL for PATH, its folder made (a search's study
+    lives in the sweep dir, which the sweeper opens before the launcher makes the dir)."""
+    file = Path(path).expanduser().absolute()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{file}"
+
+
+def register_resolvers() -> None:
+    """The resolvers rlhf's configs use: the run's time (every rank's, rank 0's clock) and
+    a search's SQLite storage."""
+    OmegaConf.register_new_resolver("rlhf_now", run_time_str, replace=True)
+    OmegaConf.register_new_resolver("rlhf_sqlite", sqlite_url, replace=True)
+
+
 def print_help(args: list[str]) -> None:
     """Every group and key, with the value the overrides in ``args`` compose to and its
     meaning; a word without "=" keeps the keys it names (``--help ppo``). Hydra's own help:
@@ -33,7 +48,7 @@ def print_help(args: list[str]) -> None:
     from rlhf.cli import help as key_help
 
     refuse_unknown_keys([a for a in args if a not in key_help.help_filters(args)])
-    OmegaConf.register_new_resolver("rlhf_now", run_time_str, replace=True)
+    register_resolvers()
     try:
         composed, filters = key_help.composed_for_help(args)
         print(key_help.text(composed, key_help.config_groups(), filters))
@@ -48,10 +63,12 @@ def check_before_hydra(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from rlhf.checks import preflight
+    from rlhf.cli.help import CONF_DIR
 
     parsed, _ = get_args_parser().parse_known_args(args)
     try:
         preflight.check_modes(parsed)
+        preflight.check_sweeper_installed(parsed, Path(CONF_DIR))
         preflight.check_composed_yaml(fail)
         made = ("hydra.sweep.dir",) if parsed.multirun else ("hydra.run.dir", "hydra.sweep.dir")
         made = () if parsed.cfg or parsed.info else made  # printing the config makes no dir

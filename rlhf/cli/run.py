@@ -24,6 +24,7 @@ from rlhf.cli.refuse import fail
 from rlhf.config import NOT_READ_BY, Config, ConfigError
 from rlhf.config.resolve import ResolvedValues
 from rlhf.config.sharing import share_command_line, unread_problems
+from rlhf.config.sweep import objective_values, sweeper_direction_problem, sweeper_value
 
 # The recipes (and DeepSpeed, transformers behind them) are imported once the config is valid,
 # so a bad value is reported in a second or two (torch loads for the algorithm registry's checks).
@@ -31,9 +32,10 @@ from rlhf.config.sharing import share_command_line, unread_problems
 log = logging.getLogger("rlhf")
 
 
-def run_job(cfg: DictConfig) -> float | None:
+def run_job(cfg: DictConfig) -> float | list[float] | None:
     """The task function's work (rlhf.__main__): check the composed ``cfg`` (step=all: compose
-    and check each step too), then run it; the value a sweeper optimises (eval/loss)."""
+    and check each step too), then run it; in a multirun, what the sweeper optimises (the
+    summary's sweep.objective: one number, or a list for several objectives)."""
     hydra_cfg = HydraConfig.get()
     info_dir = None
     overrides = list(hydra_cfg.overrides.task)
@@ -64,7 +66,17 @@ def run_job(cfg: DictConfig) -> float | None:
     if steps is not None:  # each step's auto values decided from its own config
         steps = {step: _as_run(c) for step, (c, _) in steps.items()}
     config, resolved = _as_run(config)
-    return run_step(config, info_dir, name, group, resolved, steps, shared, record)
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # in-process jobs (hydra/launcher=basic)
+        problem = sweeper_direction_problem(hydra_cfg.sweeper.get("direction"), config.sweep)
+        if problem:
+            fail(ConfigError(problem))
+    summary = run_step(config, info_dir, name, group, resolved, steps, shared, record)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None  # a single run's return goes nowhere
+    try:  # launchers that run each job apart read it back: rlhf.tools.launcher
+        return sweeper_value(objective_values(summary, config.sweep.objective))
+    except ConfigError as err:
+        fail(err)
 
 
 def _as_run(config: Config) -> tuple[Config, ResolvedValues]:
@@ -168,10 +180,11 @@ def run_step(
     steps: dict | None = None,
     shared: dict | None = None,
     record: Callable[[], None] = lambda: None,
-) -> float | None:
+) -> dict:
     """Join the process group and run ``config.step.name`` (step=all: the composed ``steps``,
     ``shared`` those that run in pipeline.share_dir) holding ``run_dir``'s lock; ``record``
-    writes the run's record once the lock is held (a refused run overwrites nothing)."""
+    writes the run's record once the lock is held (a refused run overwrites nothing); the
+    run's summary."""
     from rlhf.runtime import checkpoint, dist, engine
     from rlhf.steps import all as pipeline
     from rlhf.steps.loop import RunInfo, TrainingStopped
@@ -205,7 +218,7 @@ def run_step(
     finally:
         pending_log.detach()  # refused: its lines went to the console only
     gc.collect()  # a multirun's next job starts in this process
-    return summary.get("eval/loss")
+    return summary
 
 
 RUN_LOCK = ".run.lock"  # in the run dir, held by a run's rank 0 from start to end

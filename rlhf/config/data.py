@@ -38,6 +38,11 @@ class SourceConfig:
     task: str | None = None
 
 
+def checker_task(source: Any) -> str | None:
+    """The task whose checker grades answers to ``source``'s prompts (adapter toy: toy)."""
+    return source.task or ("toy" if source.adapter == "toy" else None)
+
+
 @dataclass
 class DataConfig:
     """The data of every step. Several sources blend; each is split into disjoint phases."""

@@ -20,13 +20,16 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from rlhf.config.data import checker_task
 from rlhf.config.dpo import DPOConfig
 from rlhf.config.lora import LoraConfig
 from rlhf.config.model import TINY_INIT, TINY_VOCAB_SIZE, ModelConfig
 from rlhf.config.optim import OptimConfig
 from rlhf.config.reward import SHARED_PROMPT_LOSSES
 from rlhf.config.root import Config
+from rlhf.config.sweep import as_list, natural_direction, step_objective
 
+RESOLVED_FILE = "resolved.yaml"  # in each checkpoint and run dir: every auto value decided
 FROM_MODEL = "# from model files"  # the comment --cfg job and resolved.yaml put on such keys
 
 # every key :func:`resolve` may decide, with the value that asks it to (null unless named):
@@ -55,6 +58,8 @@ AUTO_KEYS = {
     "ppo.loss.aggregation": None,
     "ppo.reward.normalize": None,
     "ppo.reward.overlong_buffer": None,
+    "sweep.objective": None,
+    "sweep.direction": None,
 }
 
 
@@ -123,7 +128,27 @@ def resolve(config: Config, facts: Facts) -> Resolved:
     resolve_lora(out.lora, out.optim)
     resolve_dpo(out.dpo)
     from_model = resolve_sft(out, facts) | resolve_reward(out, facts) | resolve_ppo(out, facts)
+    resolve_sweep(out, facts)
     return Resolved(out, frozenset(from_model))
+
+
+def resolve_sweep(cfg: Config, facts: Facts) -> None:
+    """sweep.objective null: the step's headline metric (step=all: its last step's, prefixed
+    with the step's name); sweep.direction null: each objective's natural direction, one value
+    alone: every objective's. Both become lists (a single objective: a list of one)."""
+    sweep = cfg.sweep
+    if sweep.objective is None:
+        step = cfg.pipeline.steps[-1] if cfg.step.name == "all" else cfg.step.name
+        graded = any(checker_task(source) for source in cfg.data.sources.values())
+        metric = step_objective(step, graded, facts.teacher and not cfg.opd.task_reward)
+        sweep.objective = f"{step}/{metric}" if cfg.step.name == "all" else metric
+    objectives = as_list(sweep.objective)
+    directions = as_list(sweep.direction)
+    if not directions:
+        directions = [natural_direction(metric) for metric in objectives]
+    elif len(directions) == 1:
+        directions = directions * len(objectives)
+    sweep.objective, sweep.direction = objectives, directions
 
 
 def resolve_model(model: ModelConfig, facts: Facts) -> None:

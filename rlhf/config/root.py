@@ -19,6 +19,7 @@ from rlhf.config.roles import ActorConfig, CriticConfig
 from rlhf.config.seeds import seed_problems
 from rlhf.config.sft import SFTConfig
 from rlhf.config.step import StepConfig
+from rlhf.config.sweep import SweepConfig
 from rlhf.config.zero import ZeroConfig
 
 
@@ -50,6 +51,7 @@ class Config:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # algo=opd's frozen teacher
     opd: OPDConfig = field(default_factory=OPDConfig)  # on-policy distillation's signal
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)  # what a sweeper optimises
     # the run's randomness: sampling, dropout, the order of the training rows and (model=tiny)
     # the initial weights; data.seed fixes which rows
     seed: int = 1234

@@ -75,6 +75,7 @@ from typing import Any
 import datasets
 
 from rlhf import tasks
+from rlhf.config.data import checker_task as source_task
 from rlhf.data import local
 from rlhf.data.adapters import (
     ADAPTERS,
@@ -127,11 +128,6 @@ __all__ = [
     "strip_citations",
     "unescape",
 ]
-
-
-def source_task(source: Any) -> str | None:
-    """The task whose checker grades answers to ``source``'s prompts (adapter toy: toy)."""
-    return source.task or ("toy" if source.adapter == "toy" else None)
 
 
 def _task_split(source: Any, name: str) -> datasets.Dataset:

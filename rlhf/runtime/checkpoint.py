@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from rlhf.config import ConfigError
+from rlhf.config.resolve import RESOLVED_FILE
 from rlhf.runtime.dist import (
     all_reduce_sum,
     barrier,
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
 CONFIG_FILE = "config.json"  # in each checkpoint: the config it was made under
-RESOLVED_FILE = "resolved.yaml"  # in each checkpoint and run dir: every auto value decided
 
 
 class CheckpointError(ConfigError):

@@ -17,6 +17,8 @@ says what of the earlier run it removes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import RENAMED_KEYS, nest_flat
+from rlhf.config import RENAMED_KEYS, Config, nest_flat
 from rlhf.config.resolve import AUTO_KEYS
 from rlhf.runtime.checkpoint import CONFIG_FILE, CheckpointError, checkpoint_dir, step_dirs
 from rlhf.runtime.dist import barrier, from_main, gather_lists, is_main, rank, world_size
@@ -67,6 +69,7 @@ RESUMABLE = (
     "reward.gen_max_new_tokens",
     "ppo.eval",
     "ppo.rollout.logprob_gap_interval",
+    "sweep",
 )
 
 
@@ -279,7 +282,15 @@ def config_differences(
         and key.split(".")[0] not in unread
         and there.get(key, absent) != here.get(key, absent)
         and not (key in AUTO_KEYS and there.get(key, absent) == AUTO_KEYS[key])
+        and not (key not in there and here[key] == _schema_defaults().get(key, absent))
     ]
+
+
+@functools.cache
+def _schema_defaults() -> dict[str, Any]:
+    """Every key's default in the schema: a key added since a checkpoint was written (absent
+    from its config) matches when this run leaves it at its default (deterministic=false)."""
+    return flat(json.loads(json.dumps(dataclasses.asdict(Config()), default=str)))
 
 
 def resume_problem(

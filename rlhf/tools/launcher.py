@@ -28,8 +28,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.errors import CompactHydraException
 
+from rlhf.config.resolve import RESOLVED_FILE
+from rlhf.config.sweep import (
+    SweepConfig,
+    objective_values,
+    sweeper_direction_problem,
+    sweeper_value,
+)
 from rlhf.tools.sweep_summary import JOB_FILE, LOG_FILE
 
 log = logging.getLogger(__name__)
@@ -213,11 +221,31 @@ def _read_record(job_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def read_return_value(job_dir: Path) -> Any:
-    """What ``python -m rlhf`` returns to Hydra in-process: the final eval/loss, if any."""
+def read_return_value(job_dir: Path) -> float | list[float] | None:
+    """What the job hands its sweeper: the values of its resolved sweep.objective in its
+    summary.json (rlhf.cli.run returns the same in-process); None when it left no summary. A
+    metric its summary lacks is a ConfigError naming it and the metrics there are."""
+    sweep = _resolved_sweep(job_dir)
     try:
-        return json.loads((job_dir / "summary.json").read_text()).get("eval/loss")
+        summary = json.loads((job_dir / "summary.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return None if sweep is None else sweeper_value(objective_values(summary, sweep.objective))
+
+
+def direction_problem(job_dir: Path, sweeper_direction: Any) -> str | None:
+    """Why the sweeper (optimising ``sweeper_direction``) and the job's resolved sweep.direction
+    disagree, or None."""
+    sweep = _resolved_sweep(job_dir)
+    return None if sweep is None else sweeper_direction_problem(sweeper_direction, sweep)
+
+
+def _resolved_sweep(job_dir: Path) -> SweepConfig | None:
+    """The job's resolved ``sweep`` (its resolved.yaml), or None where it wrote none."""
+    try:
+        sweep = yaml.safe_load((job_dir / RESOLVED_FILE).read_text())["sweep"]
+        return SweepConfig(list(sweep["objective"]), list(sweep["direction"]))
+    except (FileNotFoundError, yaml.YAMLError, KeyError, TypeError):
         return None
 
 

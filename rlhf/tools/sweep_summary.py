@@ -7,6 +7,8 @@ What a row reads from a run directory:
   summary.json        the run's final metrics (flat; step=all prefixes them with sft/, reward/, ppo/,
                       dpo/, and the table adds last/: its pipeline's last step's, ppo/ or dpo/)
   .hydra/overrides.yaml   the command-line overrides, when there is no job.json
+  resolved.yaml       its sweep.objective and sweep.direction: the table marks the best run
+                      (one objective) or the Pareto set (several) among runs that share them
   job.log             the job's output: its last ``error:`` line explains a failed job
 Standard library only (Hydra imports this module while scanning plugins).
 """
@@ -16,11 +18,19 @@ from __future__ import annotations
 import csv
 import fnmatch
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlhf.tools.sweep_best import (
+    best_marks,
+    fmt,
+    is_number,
+    objective_line,
+    read_objective,
+    shared_objective,
+)
 
 JOB_FILE = "job.json"
 _NO_INDEX = 1 << 30
@@ -55,6 +65,7 @@ class RunRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
     wall_s: float | None = None  # the whole job (process start to exit) when known
     note: str = ""  # why a job failed
+    objective: dict[str, str] = field(default_factory=dict)  # metric -> maximize | minimize
 
     def history(self) -> list[dict[str, Any]]:
         """The rows of metrics.jsonl (empty when there is none)."""
@@ -155,10 +166,13 @@ def load_record(path: Path, label: str | None = None) -> RunRecord:
         status = parent_job.get("status", "INCOMPLETE")
     wall = job.get("wall_s")
     if wall is None:
-        walls = [v for k, v in metrics.items() if k.endswith("perf/wall_s") and _is_num(v)]
+        walls = [v for k, v in metrics.items() if k.endswith("perf/wall_s") and is_number(v)]
         wall = sum(walls) if walls else None
     note = job.get("note", "") or (_error_line(path / LOG_FILE) if status == "FAILED" else "")
-    return RunRecord(path, label or path.name, status, list(overrides), metrics, wall, note)
+    objective = read_objective(path)
+    return RunRecord(
+        path, label or path.name, status, list(overrides), metrics, wall, note, objective
+    )
 
 
 def with_last_step(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -223,13 +237,16 @@ def metric_columns(records: list[RunRecord], patterns: list[str] | None = None) 
     """Metric keys to show. Patterns (fnmatch, e.g. ``eval/*``) pick keys in pattern order;
     without, the HEADLINE keys present in any row, bare keys first then each step's."""
     keys = sorted({k for r in records for k in r.metrics if k != "step"})
+    objective = [k for k in shared_objective(records) if k in keys]  # its columns come first
     if patterns:
-        chosen: list[str] = []
+        chosen: list[str] = list(objective)
         for pattern in patterns:
             chosen += [k for k in keys if fnmatch.fnmatchcase(k, pattern) and k not in chosen]
         return chosen
     prefixes = ("", *(f"{s}/" for s in STEP_DIRS))
-    return [p + h for p in prefixes for h in HEADLINE if p + h in keys]
+    return objective + [
+        p + h for p in prefixes for h in HEADLINE if p + h in keys and p + h not in objective
+    ]
 
 
 def differing_overrides(records: list[RunRecord]) -> tuple[list[list[str]], list[str]]:
@@ -249,17 +266,19 @@ def table(
     """(header, rows of formatted cells, the overrides every row shares)."""
     metrics = metric_columns(records, columns)
     own, shared = differing_overrides(records)
-    header = [first, "overrides", "status", *metrics, "wall_s", "note"]
+    best = ["best"] if shared_objective(records) else []  # "best" / "pareto" (best_marks)
+    header = [first, "overrides", "status", *best, *metrics, "wall_s", "note"]
     rows = [
         [
             r.label,
             " ".join(o) or "-",
             r.status,
-            *(_fmt(r.metrics.get(k)) for k in metrics),
-            _fmt(r.wall_s),
+            *([mark] if best else []),
+            *(fmt(r.metrics.get(k)) for k in metrics),
+            fmt(r.wall_s),
             r.note,
         ]
-        for r, o in zip(records, own)
+        for r, o, mark in zip(records, own, best_marks(records))
     ]
     return header, rows, shared
 
@@ -274,6 +293,8 @@ def to_markdown(
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
     counts = _status_counts(records)
     head = f"{len(records)} run(s): {counts}"
+    if objective_line(records):
+        head += "\n" + objective_line(records)
     if shared:
         head += "\nshared overrides: " + " ".join(shared)
     return head + "\n\n" + "\n".join(lines) + "\n"
@@ -285,9 +306,10 @@ def write_csv(records: list[RunRecord], path: Path, first: str = "run") -> None:
     keys = metric_columns(records) + [k for k in keys if k not in metric_columns(records)]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([first, "path", "status", "overrides", "wall_s", "note", *keys])
-        for r in records:
-            row = [r.label, str(r.path), r.status, " ".join(r.overrides), r.wall_s, r.note]
+        header = [first, "path", "status", "best", "overrides", "wall_s", "note", *keys]
+        writer.writerow(header)
+        for r, mark in zip(records, best_marks(records)):
+            row = [r.label, str(r.path), r.status, mark, " ".join(r.overrides), r.wall_s, r.note]
             writer.writerow(row + [r.metrics.get(k, "") for k in keys])
 
 
@@ -310,22 +332,6 @@ def _status_counts(records: list[RunRecord]) -> str:
     return ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
 
 
-def _fmt(value: Any) -> str:
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, bool) or not _is_num(value):
-        return str(value)
-    if not math.isfinite(value):
-        return str(value)
-    if isinstance(value, int) or abs(value) >= 1000:
-        return f"{value:.0f}"
-    return f"{value:.4g}"
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -340,9 +346,15 @@ def _subdirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _job_index(path: Path) -> int:
+def job_index(path: Path) -> int | None:
+    """The index a launcher recorded for the job in ``path`` (job.json), or None."""
     index = _read_json(path / JOB_FILE).get("index")
-    return index if isinstance(index, int) else _NO_INDEX
+    return index if isinstance(index, int) else None
+
+
+def _job_index(path: Path) -> int:
+    index = job_index(path)
+    return _NO_INDEX if index is None else index
 
 
 def _common_prefix(parts: list[tuple[str, ...]]) -> tuple[str, ...]:

@@ -38,10 +38,12 @@ def sweep_rows(
     header, _, shared = sweep_summary.table(records, columns, first="job")
     metrics = sweep_summary.metric_columns(records, columns)
     own, _ = sweep_summary.differing_overrides(records)
+    marks = sweep_summary.best_marks(records)
+    best = "best" in header  # a shared objective: the best run or the Pareto set marked
     rows = [
-        [r.label, " ".join(o) or "-", r.status, *(_number(r.metrics.get(k)) for k in metrics),
-         _number(r.wall_s), r.note]
-        for r, o in zip(records, own)
+        [r.label, " ".join(o) or "-", r.status, *([mark] if best else []),
+         *(_number(r.metrics.get(k)) for k in metrics), _number(r.wall_s), r.note]
+        for r, o, mark in zip(records, own, marks)
     ]  # fmt: skip
     if not any(row[-1] for row in rows):
         header, rows = header[:-1], [row[:-1] for row in rows]
@@ -82,10 +84,26 @@ def log_sweep(
             reinit="create_new",
         )
         run.log({TABLE_KEY: wandb.Table(columns=header, data=rows)})
-        run.summary.update({"jobs": len(records), **_counts(statuses)})
+        run.summary.update({"jobs": len(records), **_counts(statuses), **best_summary(records)})
         run.finish()
     except Exception as err:  # tracking never fails the sweep
         log.warning("W&B: the sweep's table was not logged (%s); it is in %s", err, sweep_dir)
+
+
+def best_summary(records: list[RunRecord]) -> dict[str, Any]:
+    """The sweep run's summary on its objective: the metrics and directions, and the best job
+    (one objective: its label and value) or the Pareto set's labels (several)."""
+    objective = sweep_summary.shared_objective(records)
+    if not objective:
+        return {}
+    best = [r for r, mark in zip(records, sweep_summary.best_marks(records)) if mark]
+    out: dict[str, Any] = {"objective": list(objective), "direction": list(objective.values())}
+    if len(objective) > 1:
+        return {**out, "pareto_jobs": [r.label for r in best]}
+    if best:
+        metric = next(iter(objective))
+        out |= {"best_job": best[0].label, f"best/{metric}": _number(best[0].metrics[metric])}
+    return out
 
 
 def sweep_run_id(sweep_dir: Path) -> str:
