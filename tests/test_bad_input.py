@@ -595,6 +595,13 @@ def test_what_a_resumed_run_may_change():
         "optim.lr: 0.001 there, 0.01 here",
         "seed: '(absent)' there, 7 here",
     ]
+    # a key added since the checkpoint (absent there) matches at its default, not otherwise;
+    # sweep.* may change on a resume
+    added = {**same, "deterministic": False, "sweep": {"objective": ["eval/loss"]}}
+    assert resume.config_differences(saved, added) == []
+    assert resume.config_differences(saved, {**same, "deterministic": True}) == [
+        "deterministic: '(absent)' there, True here"
+    ]
     # a checkpoint written before actor.twin_path became actor.reference_path still resumes
     renamed = {"actor": {"twin_path": "/ref"}}
     assert resume.config_differences(renamed, {"actor": {"reference_path": "/ref"}}) == []

@@ -22,6 +22,7 @@ from rlhf.checks.ppo_launch import (
     hybrid_engine_model_problem,
     ppo_model_problems,
 )
+from rlhf.checks.repeatable import repeatable_launch_problems, repeatable_problems
 from rlhf.checks.settings import config_problems, tiny_paths, tiny_tuning_problem
 from rlhf.checks.teacher import teacher_launch_problems
 from rlhf.config import Config, ConfigError, to_config, unknown_keys
@@ -35,7 +36,9 @@ def validated(cfg: DictConfig, produced: tuple[Path, ...] = (), trains: bool = T
     pipeline will write (step=all), which need not exist yet. ``trains=False`` (an evaluation):
     the embedded model's tuning may meet any model, as nothing is trained with it."""
     unknown = unknown_keys(cfg)  # added with "+": the conversion would drop them silently
-    return to_config(cfg, lambda config: unknown + config_problems(config, produced, trains))
+    return to_config(
+        cfg, lambda c: unknown + config_problems(c, produced, trains) + repeatable_problems(c)
+    )
 
 
 def check_launch(config: Config) -> None:
@@ -70,6 +73,7 @@ def launch_problems(config: Config) -> list[str]:
     if offloaded:
         out.append(cpu_adam_lock_problem(f"{offloaded[0]}zero.offload"))
     out.append(wandb_problem(config.logger))
+    out += repeatable_launch_problems(config)  # deterministic=true on this machine
     return [p for p in out if p]
 
 

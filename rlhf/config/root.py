@@ -56,6 +56,10 @@ class Config:
     # the initial weights; data.seed fixes which rows
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
+    # true: every source of run-to-run variation the stack can fix is fixed (torch's
+    # deterministic algorithms, cuBLAS's workspace, cuDNN, the rollout engines); what cannot
+    # be is refused by name (docs/runs.md)
+    deterministic: bool = False
     cache_dir: str = "~/.cache/rlhf"  # built tiny models and other derived artefacts
     run_dir: str | None = None  # null: Hydra's output dir (hydra.run.dir)
     # auto: continue from the run dir's latest checkpoint, if any, when it was made under the

@@ -38,6 +38,7 @@ from rlhf.rl.ppo_models import export_models, reward_settings
 from rlhf.rl.ptx import PTXBatches
 from rlhf.rl.rollouts import close_engine, release_engine, sync_weights
 from rlhf.rl.shaping import iteration_shaping, kl_controller
+from rlhf.runtime.determinism import make_deterministic
 from rlhf.runtime.dist import all_reduce_sum, rank, world_size
 from rlhf.steps.loop import Run, RunInfo
 from rlhf.steps.ppo_parts import (
@@ -111,6 +112,7 @@ class PPOTrainer:
         started = time.perf_counter()
         dtype = cfg.actor.model.dtype  # resolved (rlhf.config.resolve): fp32, bf16 or fp16
         set_seed(cfg.seed)
+        make_deterministic(cfg.deterministic, cfg.device)  # before any model is built
 
         # 1. tokenizer (shared by all four models), prompts, PTX text, how scores are read
         self.tokenizer, eot = tokenizer_and_end(cfg)
@@ -252,10 +254,10 @@ def multi_turn(setup: PPOTrainer) -> bool:
 
 
 def rollout_seed(cfg: Config, step: int, batch: int) -> int | None:
-    """ppo.rollout.seeded (always with vLLM, whose RNG no checkpoint holds): the sampling seed of
-    generation batch ``batch`` (its place among all ranks' batches of the iteration) at
-    iteration ``step``; None: the process's RNG."""
-    if not cfg.ppo.rollout.seeded and cfg.ppo.rollout.engine != "vllm":
+    """ppo.rollout.seeded or deterministic (always with vLLM, whose RNG no checkpoint holds): the
+    sampling seed of generation batch ``batch`` (its place among all ranks' batches of the
+    iteration) at iteration ``step``; None: the process's RNG."""
+    if not (cfg.ppo.rollout.seeded or cfg.deterministic) and cfg.ppo.rollout.engine != "vllm":
         return None
     return (cfg.seed * 1_000_003 + step) * 10_007 + batch
 

@@ -32,6 +32,7 @@ from rlhf.modeling.loading import (
     model_type,
 )
 from rlhf.modeling.peft_lora import apply_lora
+from rlhf.runtime.determinism import make_deterministic
 from rlhf.runtime.dist import rank, world_size
 from rlhf.runtime.engine import BatchShape, device_type, ds_config, initialize, resolve_dtype
 from rlhf.steps.loop import Run, total_steps
@@ -61,6 +62,7 @@ def step_inputs(cfg: Config, name: str, phase: str) -> StepInputs:
     device = device_type(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     set_seed(cfg.seed)
+    make_deterministic(cfg.deterministic, device)  # before any model: cuBLAS reads it
     path = model_path(cfg.model, cfg.cache_dir)
     tokenizer = load_tokenizer(cfg.model, path)
     eot = end_of_text_id(cfg.model, tokenizer)
