@@ -23,6 +23,7 @@ from rlhf.config import ConfigError, register_configs, to_config
 from rlhf.config.resolve import Facts, resolve
 from rlhf.config.sweep import (
     SweepConfig,
+    natural_direction,
     objective_values,
     sweeper_direction_problem,
     sweeper_value,
@@ -78,6 +79,26 @@ def test_without_a_checker_rl_optimises_the_reward_and_distillation_the_teacher_
     assert resolved_sweep(*no_task).objective == ["eval/reward"]
     assert resolved_sweep(*no_task, "algo=opd", teacher=True).objective == ["eval/teacher_kl"]
     assert resolved_sweep(*no_task, "step=dpo", "model.path=x").objective == ["eval/accuracy"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "direction"),
+    [
+        ("eval/gold_accuracy", "maximize"),
+        ("ppo/eval/reward", "maximize"),
+        ("perf/tokens_per_s", "maximize"),  # a rate
+        ("eval/margin", "maximize"),
+        ("sft/eval/ppl", "minimize"),
+        ("eval/teacher_kl", "minimize"),
+        ("eval/grade_errors", "minimize"),
+        ("perf/wall_s", "minimize"),  # a duration
+        ("perf/s_per_iter", "minimize"),
+        ("perf/peak_mem_gb", "minimize"),
+        ("reward/eval/ece", "minimize"),
+    ],
+)
+def test_a_metrics_natural_direction(metric, direction):
+    assert natural_direction(metric) == direction
 
 
 def test_several_objectives_take_one_direction_each_or_one_for_all():

@@ -60,22 +60,19 @@ def as_list(value: Any) -> list:
     return [value]
 
 
+_WORSE_WHEN_HIGHER = (
+    "loss", "ppl", "kl", "error", "ece", "mem", "truncated", "hacking", "unterminated", "skipped"
+)  # fmt: skip
+
+
 def natural_direction(metric: str) -> str:
-    """The way a metric improves: losses, perplexities, KLs, errors and times down; the rest up."""
+    """The way a metric improves: losses, perplexities, KLs, errors, durations and memory down
+    (perf/wall_s, perf/s_per_iter); the rest up, rates included (perf/tokens_per_s)."""
     name = metric.rsplit("/", 1)[-1]
-    down = (
-        "loss",
-        "ppl",
-        "kl",
-        "error",
-        "_s",
-        "ece",
-        "mem",
-        "truncated",
-        "hacking",
-        "unterminated",
+    duration = (name.endswith("_s") and not name.endswith("_per_s")) or name.startswith("s_per_")
+    return (
+        "minimize" if duration or any(part in name for part in _WORSE_WHEN_HIGHER) else "maximize"
     )
-    return "minimize" if any(part in name for part in down) else "maximize"
 
 
 def step_objective(step: str, graded: bool, distillation_only: bool) -> str:
