@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import wandb
+import yaml
 
 from rlhf.checks.validate import validated
 from rlhf.config import ConfigError, LoggerConfig, register_configs
@@ -348,6 +349,23 @@ def test_the_sweep_table_is_logged_as_summary_md_shows_it(tmp_path, recorder):
     assert by_job["2"]["overrides"] == "optim.lr=-1"
     assert of(calls, "summary") == [({"jobs": 3, "jobs_completed": 2, "jobs_failed": 1},)]
     assert calls[-1] == ("finish",)
+
+
+def test_the_sweep_run_marks_the_best_job_of_the_jobs_objective(tmp_path, recorder):
+    calls, _ = recorder
+    jobs = fake_sweep(tmp_path)
+    for job in jobs:  # what each job resolved (resolved.yaml): eval/loss, down
+        sweep = {"objective": ["eval/loss"], "direction": ["minimize"]}
+        (job / "resolved.yaml").write_text(yaml.safe_dump({"sweep": sweep}))
+    records = sweep_records(jobs)
+    wandb_sweep.log_sweep(tmp_path, records, LoggerConfig(backend="wandb", mode="offline"))
+    [(row, _)] = of(calls, "log")
+    table = row[wandb_sweep.TABLE_KEY]
+    assert table.columns[3:5] == ["best", "eval/loss"]
+    assert [r[3] for r in table.data] == ["best", "", ""]  # the failed job is no candidate
+    [(summary,)] = of(calls, "summary")
+    assert summary["best_job"] == "0" and summary["best/eval/loss"] == 1.5
+    assert summary["objective"] == ["eval/loss"] and summary["direction"] == ["minimize"]
 
 
 def test_no_sweep_run_without_wandb_and_a_wandb_error_is_a_warning(
