@@ -2,13 +2,15 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
 
-from rlhf.config import LoraConfig, OptimConfig
+from rlhf.config import LoraConfig, ModelConfig, OptimConfig
 from rlhf.modeling.peft_lora import apply_lora, lora_target
 from rlhf.runtime.engine import param_groups
 from tests.conftest import FAST, cache_overrides, run_rlhf
@@ -147,14 +149,15 @@ def test_without_only_optimize_lora_the_base_weights_train_too():
         assert changed[name], name
 
 
-def _base_model_dir(cache, exported_config: dict):
-    """The cache's built tiny model with the same architecture as an export."""
-    keys = ("hidden_size", "num_hidden_layers", "ffn_dim", "vocab_size")
-    for config_file in (cache / "models").glob("tiny-*/config.json"):
-        config = json.loads(config_file.read_text())
-        if all(config[k] == exported_config[k] for k in keys):
-            return config_file.parent
-    raise AssertionError("the tiny model built for the run is not in the cache")
+def _base_model_dir(run_dir: Path, cache) -> Path:
+    """The cache's built tiny model the run in ``run_dir`` started from (its resolved model:
+    the same architecture under another seed is another model)."""
+    from rlhf.modeling.loading import tiny_model_dir
+
+    model = yaml.safe_load((run_dir / "resolved.yaml").read_text())["model"]
+    built = tiny_model_dir(ModelConfig(**model), str(cache))
+    assert (built / "model.safetensors").is_file(), "the run's tiny model is not in the cache"
+    return built
 
 
 @pytest.mark.slow
@@ -176,7 +179,7 @@ def test_merged_lora_export(cache_dir, tmp_path):
     model_dir = run_dir / "model"
     exported = load_file(model_dir / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
-    base_dir = _base_model_dir(cache_dir, config)
+    base_dir = _base_model_dir(run_dir, cache_dir)
     base = load_file(base_dir / "model.safetensors")
 
     assert not [k for k in exported if "lora_" in k or "base_layer" in k]
