@@ -14,13 +14,12 @@ from omegaconf import ListConfig
 from rlhf.config.errors import ConfigError
 
 DIRECTIONS = ("maximize", "minimize")
-STEP_NAMES = ("sft", "reward", "ppo", "dpo")  # step=all's prefixes (its summary's keys)
-LAST = "last"  # step=all: the pipeline's last step, as the sweep's table names it
 
 
 @dataclass
 class SweepConfig:
-    """The metric(s) a sweep optimises and which way; null: the step's own (``sweep_defaults``)."""
+    """The metric(s) a sweep optimises and which way; null: the step's own, decided by
+    rlhf.config.resolve.resolve_sweep."""
 
     # a summary metric (summary.json's key: eval/loss; step=all: the step's, ppo/eval/kl) or a
     # list of them for a multi-objective search; null: the step's headline (docs/runs.md)

@@ -21,7 +21,7 @@ class RunRecord(Protocol):
 
 def read_objective(run_dir: Path) -> dict[str, str]:
     """The run's resolved sweep.objective -> sweep.direction (resolved.yaml), or {}."""
-    path = run_dir / "resolved.yaml"
+    path = run_dir / "resolved.yaml"  # rlhf.config.resolve.RESOLVED_FILE (no rlhf import here)
     if not path.is_file():
         return {}
     import yaml  # omegaconf's dependency
