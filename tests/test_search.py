@@ -306,15 +306,19 @@ def _rows(sweep_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_grid_whose_summary_lacks_the_objective_stops_at_its_first_job(tmp_path, cache_dir):
-    sweep_dir = tmp_path / "sweep"
+def test_a_search_whose_summary_lacks_the_objective_stops_at_its_first_job_a_grid_not(
+    tmp_path, cache_dir
+):
+    common = ["step=sft", "sweep.objective=eval/accuracy", *SMALL, *cache_overrides(cache_dir)]
+    sweep_dir = tmp_path / "search"
     proc = _sweep(
         [
-            "step=sft",
-            "optim.lr=1e-3,2e-3",
-            "sweep.objective=eval/accuracy",
-            *SMALL,
-            *cache_overrides(cache_dir),
+            *common,
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.n_jobs=1",
+            "hydra.sweeper.direction=maximize",
+            "optim.lr=interval(1e-4,1e-2)",
             f"hydra.sweep.dir={sweep_dir}",
         ]
     )
@@ -323,7 +327,14 @@ def test_a_grid_whose_summary_lacks_the_objective_stops_at_its_first_job(tmp_pat
     assert line.startswith("error: sweep job #0 (")
     assert "sweep.objective=eval/accuracy: the run's summary has no such metric" in line
     assert "eval/loss" in line and "Traceback" not in proc.stderr
-    assert len(_rows(sweep_dir)) == 1  # the second job never ran
+    assert len(_rows(sweep_dir)) == 1  # the second trial never ran
+
+    # a grid hands its sweeper nothing to compare: its jobs need not have the metric
+    grid_dir = tmp_path / "grid"
+    proc = _sweep([*common, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={grid_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(grid_dir)
+    assert [r["status"] for r in rows] == ["COMPLETED"] * 2 and not any(r["best"] for r in rows)
 
 
 @pytest.mark.slow
@@ -373,10 +384,14 @@ def test_in_process_jobs_hand_the_sweeper_their_objective_and_stop_on_a_missing_
     best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())["best_value"]
     assert len(losses) == 2 and best == min(losses)
 
-    grid = [*common, f"hydra.sweep.dir={tmp_path / 'grid'}"]  # the later sweep.dir wins
-    proc = _sweep([*grid, "optim.lr=1e-3,2e-3", "sweep.objective=eval/nope"])
+    search = [*common, f"hydra.sweep.dir={tmp_path / 'missing'}"]  # the later sweep.dir wins
+    proc = _sweep(
+        [*search, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "optim.lr=interval(1e-4,1e-2)",
+         "sweep.objective=eval/nope", "hydra.sweeper.direction=maximize"]
+    )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: sweep.objective=eval/nope: the run's summary has no such metric" in proc.stderr
+    assert len(list((tmp_path / "missing").glob("*/summary.json"))) == 1  # one job, then stopped
 
 
 def _search(sweep_dir: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:

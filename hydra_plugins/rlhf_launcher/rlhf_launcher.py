@@ -264,11 +264,14 @@ class RlhfLauncher(Launcher):
         return ret, err
 
     def _objective(self, job: PreparedJob) -> float | list[float] | None:
-        """The job's sweep.objective values; a metric its summary lacks stops the sweep in one
-        line (every job of it would hand its sweeper nothing to compare)."""
+        """The job's sweep.objective values. Under a searching sweeper a metric its summary
+        lacks stops the sweep in one line (every job of it would hand the sweeper nothing to
+        compare); a grid reads no value, so its jobs need not have one."""
         try:
             value = mechanics.read_return_value(job.job_dir)
         except ConfigError as err:
+            if not mechanics.searches(self.config):
+                return None
             mechanics.refuse(f"sweep job #{job.index} ({job.job_dir}): {err}")
         direction = OmegaConf.select(self.config, "hydra.sweeper.direction", default=None)
         problem = mechanics.direction_problem(job.job_dir, direction)
