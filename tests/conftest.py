@@ -229,6 +229,19 @@ def run_rlhf(
     return proc
 
 
+def run_sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m rlhf -m ARGS`` on one thread a job, Hydra's short errors."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf", "-m", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 import uuid
@@ -32,13 +31,12 @@ from rlhf.tools import launcher as mechanics
 from rlhf.tools.sweep_best import best_marks, objective_line
 from rlhf.tools.sweep_summary import RunRecord, load_record, to_markdown
 from rlhf.tools.wandb_sweep import best_summary, sweep_rows
-from tests.conftest import FAST, REPO, cache_overrides, compose, compose_sweep
+from tests.conftest import FAST, REPO, cache_overrides, compose, compose_sweep, run_sweep
 from tests.scale_out import slurm_cluster
 
 __all__ = ["slurm_cluster"]  # a fixture
 register_configs()
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 SMALL = [*FAST, "step.max_steps=3", "step.eval_at_start=false"]
 
 
@@ -288,18 +286,6 @@ def test_the_search_file_is_optunas_over_ppos_keys_and_its_direction_follows_the
 # --- end to end -----------------------------------------------------------------------------------
 
 
-def _sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, **ONE_THREAD}
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf", "-m", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def _rows(sweep_dir: Path) -> list[dict]:
     with open(sweep_dir / "summary.csv") as f:
         return list(csv.DictReader(f))
@@ -311,7 +297,7 @@ def test_a_search_whose_summary_lacks_the_objective_stops_at_its_first_job_a_gri
 ):
     common = ["step=sft", "sweep.objective=eval/accuracy", *SMALL, *cache_overrides(cache_dir)]
     sweep_dir = tmp_path / "search"
-    proc = _sweep(
+    proc = run_sweep(
         [
             *common,
             "hydra/sweeper=optuna",
@@ -331,7 +317,7 @@ def test_a_search_whose_summary_lacks_the_objective_stops_at_its_first_job_a_gri
 
     # a grid hands its sweeper nothing to compare: its jobs need not have the metric
     grid_dir = tmp_path / "grid"
-    proc = _sweep([*common, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={grid_dir}"])
+    proc = run_sweep([*common, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={grid_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(grid_dir)
     assert [r["status"] for r in rows] == ["COMPLETED"] * 2 and not any(r["best"] for r in rows)
@@ -339,7 +325,7 @@ def test_a_search_whose_summary_lacks_the_objective_stops_at_its_first_job_a_gri
 
 @pytest.mark.slow
 def test_an_optuna_sweeper_searching_the_other_way_stops_at_its_first_job(tmp_path, cache_dir):
-    proc = _sweep(
+    proc = run_sweep(
         [
             "hydra/sweeper=optuna",
             "hydra.sweeper.n_trials=2",
@@ -371,7 +357,7 @@ def test_in_process_jobs_hand_the_sweeper_their_objective_and_stop_on_a_missing_
         f"hydra.sweep.dir={sweep_dir}",
         "hydra.sweep.subdir=${hydra.job.num}",  # Hydra's own launcher: no name cut to fit
     ]
-    proc = _sweep(
+    proc = run_sweep(
         [
             *common,
             "hydra/sweeper=optuna",
@@ -385,7 +371,7 @@ def test_in_process_jobs_hand_the_sweeper_their_objective_and_stop_on_a_missing_
     assert len(losses) == 2 and best == min(losses)
 
     search = [*common, f"hydra.sweep.dir={tmp_path / 'missing'}"]  # the later sweep.dir wins
-    proc = _sweep(
+    proc = run_sweep(
         [*search, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "optim.lr=interval(1e-4,1e-2)",
          "sweep.objective=eval/nope", "hydra.sweeper.direction=maximize"]
     )  # fmt: skip
@@ -395,7 +381,7 @@ def test_in_process_jobs_hand_the_sweeper_their_objective_and_stop_on_a_missing_
 
 
 def _search(sweep_dir: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    return _sweep(
+    return run_sweep(
         [
             "-cd",
             "sweeps",
@@ -471,7 +457,7 @@ def test_an_optuna_search_runs_its_trials_as_slurm_jobs(slurm_cluster, tmp_path,
     name = f"rlhf-test-{uuid.uuid4().hex[:8]}"
     sweep_dir = tmp_path / "search"
     try:
-        proc = _sweep(
+        proc = run_sweep(
             [
                 "hydra/launcher=slurm",
                 "hydra.launcher.poll_s=1",

@@ -25,11 +25,11 @@ from rlhf.tools import launcher as mechanics
 from tests.conftest import (
     CONF_DIR,
     FAST,
-    REPO,
     SWEEPS_DIR,
     cache_overrides,
     compose,
     compose_sweep,
+    run_sweep,
     sweep_axes,
     sweep_jobs,
 )
@@ -38,7 +38,6 @@ register_configs()
 
 NEW_SWEEPS = {"lr_lora": 12, "kl_epochs": 12, "seeds": 3, "algos": 9}  # file -> number of jobs
 LAUNCHER = "hydra_plugins.rlhf_launcher.rlhf_launcher.RlhfLauncher"
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 # --- the sweep files ---------------------------------------------------------------------------
@@ -227,23 +226,11 @@ def test_what_a_job_leaves_running_is_stopped(tmp_path):
 # --- end to end (slow) -------------------------------------------------------------------------
 
 
-def _sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run(
-        [sys.executable, "-m", "rlhf", "-m", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_jobs_sharing_a_directory_stop_the_sweep_before_any_runs(tmp_path):
     """hydra.sweep.subdir=same: the second job would be refused by the first's lock and the
     table would show both with its record; the sweep is refused in one line instead."""
     sweep_dir = tmp_path / "sweep"
-    proc = _sweep(
+    proc = run_sweep(
         ["step=sft", "seed=1,2", "hydra.sweep.subdir=same", f"hydra.sweep.dir={sweep_dir}"]
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -273,7 +260,7 @@ def _table(sweep_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_dir):
     sweep_dir = tmp_path / "sweep"
-    proc = _sweep(
+    proc = run_sweep(
         [
             "step=sft",
             "zero=stage0,stage2",
@@ -324,7 +311,7 @@ def test_sweep_runs_each_job_apart_and_goes_on_past_a_failure(tmp_path, cache_di
 @pytest.mark.slow
 def test_two_rank_job_inside_a_sweep(tmp_path, cache_dir):
     sweep_dir = tmp_path / "sweep"
-    proc = _sweep(
+    proc = run_sweep(
         [
             "step=sft",
             "zero=stage2",

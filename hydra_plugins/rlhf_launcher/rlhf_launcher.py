@@ -28,6 +28,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from rlhf.config import ConfigError
+from rlhf.config.sweep import reads_values
 from rlhf.tools import launcher as mechanics
 from rlhf.tools import refusals, sweep_summary, wandb_sweep
 
@@ -270,7 +271,7 @@ class RlhfLauncher(Launcher):
         try:
             value = mechanics.read_return_value(job.job_dir)
         except ConfigError as err:
-            if not mechanics.searches(self.config):
+            if not reads_values(str(self.config.hydra.sweeper.get("_target_", ""))):
                 return None
             mechanics.refuse(f"sweep job #{job.index} ({job.job_dir}): {err}")
         direction = OmegaConf.select(self.config, "hydra.sweeper.direction", default=None)

@@ -24,7 +24,12 @@ from rlhf.cli.refuse import fail
 from rlhf.config import NOT_READ_BY, Config, ConfigError
 from rlhf.config.resolve import ResolvedValues
 from rlhf.config.sharing import share_command_line, unread_problems
-from rlhf.config.sweep import objective_values, sweeper_direction_problem, sweeper_value
+from rlhf.config.sweep import (
+    objective_values,
+    reads_values,
+    sweeper_direction_problem,
+    sweeper_value,
+)
 
 # The recipes (and DeepSpeed, transformers behind them) are imported once the config is valid,
 # so a bad value is reported in a second or two (torch loads for the algorithm registry's checks).
@@ -76,7 +81,7 @@ def run_job(cfg: DictConfig) -> float | list[float] | None:
     try:  # launchers that run each job apart read it back: rlhf.tools.launcher
         return sweeper_value(objective_values(summary, config.sweep.objective))
     except ConfigError as err:
-        if str(hydra_cfg.sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+        if not reads_values(str(hydra_cfg.sweeper.get("_target_", ""))):
             return None  # a grid reads no value: its jobs need not have one
         fail(err)
 

@@ -89,6 +89,12 @@ def step_objective(step: str, graded: bool, distillation_only: bool) -> str:
     return "eval/teacher_kl" if distillation_only else "eval/reward"
 
 
+def reads_values(sweeper_target: str) -> bool:
+    """Whether a sweeper (its hydra.sweeper._target_) reads its jobs' values: a search such as
+    Optuna's does, Hydra's basic sweeper (a grid) does not."""
+    return not sweeper_target.endswith(".BasicSweeper")
+
+
 def objective_values(summary: dict[str, Any], objectives: list[str]) -> list[float]:
     """Each objective's value in a run's ``summary`` (summary.json), in order; one missing (or
     not a number) is a ConfigError naming it and the metrics the summary has beside it."""

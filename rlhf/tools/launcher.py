@@ -233,13 +233,6 @@ def read_return_value(job_dir: Path) -> float | list[float] | None:
     return None if sweep is None else sweeper_value(objective_values(summary, sweep.objective))
 
 
-def searches(config: Any) -> bool:
-    """Whether the sweep's sweeper reads its jobs' values (Optuna's, Nevergrad's; not Hydra's
-    basic sweeper, a grid)."""
-    target = str(config.hydra.sweeper.get("_target_", ""))
-    return not target.endswith(".BasicSweeper")
-
-
 def direction_problem(job_dir: Path, sweeper_direction: Any) -> str | None:
     """Why the sweeper (optimising ``sweeper_direction``) and the job's resolved sweep.direction
     disagree, or None."""
