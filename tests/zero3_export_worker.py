@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.modeling.export import export_pretrained, full_state_dict
-from rlhf.runtime.dist import init_distributed, rank
+from rlhf.runtime.dist import init_distributed, rank, teardown
 
 
 def main() -> None:
@@ -60,6 +60,7 @@ def main() -> None:
     for name, tensor in exported.items():
         assert torch.equal(tensor, expected[name]), name
     report(f"rank {rank()} ok: {len(exported)} tensors exported")
+    teardown()  # while the engine lives: an abort at exit ('terminate called') failed CI once
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from rlhf.modeling.peft_lora import apply_lora
 from rlhf.rl.experience import response_logprobs
 from rlhf.rl.generation import Sampling, generate
 from rlhf.rl.weight_sync import hf_weights
-from rlhf.runtime.dist import init_distributed, rank
+from rlhf.runtime.dist import init_distributed, rank, teardown
 
 
 def main() -> None:
@@ -73,6 +73,7 @@ def main() -> None:
         rollouts.close()
         line += f"; vLLM push {seconds:.3f} s, greedy equal, log-prob gap {gap:.2e}"
     report(line)
+    teardown()  # while the engine lives: an abort at exit ('terminate called') failed CI once
 
 
 if __name__ == "__main__":
