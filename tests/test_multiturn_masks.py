@@ -444,6 +444,9 @@ class FakeEngine:
     def backward(self, loss: Tensor) -> None:
         loss.backward()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        pass
+
     def step(self) -> None:
         pass
 

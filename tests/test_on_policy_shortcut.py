@@ -43,7 +43,8 @@ ON_POLICY = [
 
 
 class Stepped(ppo_tests.Trained):
-    """A trained model with a real optimizer step (SGD), counting its forwards."""
+    """A trained model with a real optimizer step (SGD) at each accumulation boundary, as
+    DeepSpeed's, counting its forwards."""
 
     def __init__(self, module, lr: float = 0.05):
         super().__init__(module)
@@ -55,8 +56,9 @@ class Stepped(ppo_tests.Trained):
         return super().forward(*args, **kwargs)
 
     def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        if self.boundaries[-1]:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
 
 
 def _config(estimator: str, shortcut: bool | None, *extra: str):
@@ -78,7 +80,7 @@ def _update(estimator: str, shortcut: bool, *extra: str):
     """Score a fixed rollout and update once: the models, the experience, the stats and the
     actor forwards the scoring pass ran."""
     cfg = _config(estimator, shortcut, *extra)
-    assert off_policy_reasons(cfg) == []
+    assert not shortcut or off_policy_reasons(cfg) == []
     actor = Stepped(ppo_tests._lm(seed=3))
     critic = Stepped(ppo_tests._critic()) if registry.ESTIMATORS[estimator].needs_critic else None
     baselines = torch.tensor([5.0, 6.0, 4.0, 5.0]) if estimator == "remax" else None

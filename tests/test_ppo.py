@@ -64,11 +64,15 @@ def _critic(seed: int = 1) -> ValueModel:
 
 class Trained(torch.nn.Module):
     """A DeepSpeed engine's surface as the collector and train_step use it: forward,
-    backward, step."""
+    backward, step, and the accumulation boundary train_step sets before each backward."""
 
     def __init__(self, module):
         super().__init__()
         self.module = module
+        self.boundaries: list[bool] = []
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.boundaries.append(is_boundary)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

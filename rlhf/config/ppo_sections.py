@@ -43,9 +43,27 @@ class PPOUpdateConfig:
     # that have seen its rollouts (a critic started from the reward model predicts scores, not
     # returns); estimators with a critic only
     critic_warmup_steps: int = 0
+    # tokens an update micro batch may hold: each optimizer step's rows cut by length, not into
+    # per_device_batch_size rows (OpenRLHF's max_tokens_per_gpu, verl's use_dynamic_bsz), as
+    # rows x the longest row (packed tokens with packing), each micro batch trimmed to its own
+    # width; every rank runs as many micro batches as the rank that needs most. The step's
+    # rows, and with the global normalisation its update, do not change. null: fixed rows
+    micro_batch_tokens: int | None = None
+    # deal each optimizer step's rows over the ranks by their tokens (about equal on each)
+    # instead of each rank training the rows it generated, so that no rank waits at every
+    # gradient reduce for the one that drew the long answers. The update does not change
+    balance_ranks: bool = False
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = below_one(self, ("per_device_batch_size", "epochs", "grad_accum", "prompt_epochs"))
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            out.append(
+                (
+                    "micro_batch_tokens",
+                    self.micro_batch_tokens,
+                    "null (fixed rows) or an integer >= 1",
+                )
+            )
         if self.target_kl is not None and self.target_kl <= 0:
             out.append(("target_kl", self.target_kl, "null (no early stop) or a float > 0"))
         return out + negatives(self, ("critic_warmup_steps",), "a number >= 0")

@@ -13,6 +13,7 @@ from rlhf import algos, registry
 from rlhf.config import Config
 from rlhf.data.packing import pack_rows
 from rlhf.rl.experience import Experience, response_logprobs, response_values
+from rlhf.rl.micro_batches import UpdateRows
 from rlhf.rl.ppo_models import Models, max_new_tokens
 from rlhf.runtime.dist import all_reduce_sum, max_over_ranks, world_size
 from rlhf.steps.loop import NonFiniteGuard, TrainState
@@ -41,22 +42,18 @@ def ppo_update(
     if ppo.update.on_policy_shortcut and (ppo.update.epochs * steps > 1 or not train_actor):
         raise RuntimeError(f"on_policy_shortcut with {ppo.update.epochs} epochs x {steps} steps")
     generator = torch.Generator().manual_seed(cfg.seed * 7919 + state.global_step)
+    source = UpdateRows(rollout, ppo.update)
     totals: dict[str, float] = {}
     epochs_run = 0
     for _ in range(ppo.update.epochs):
         order = torch.randperm(len(rollout.scores), generator=generator)
         epoch_totals: dict[str, float] = {}
         for step_rows in order.split(ppo.update.per_device_batch_size * ppo.update.grad_accum):
-            micro = [
-                rollout.rows(rows.to(rollout.scores.device))
-                for rows in step_rows.split(ppo.update.per_device_batch_size)
-            ]
+            positions = source.micro_batches(step_rows.to(rollout.scores.device))
+            micro = [source.micro_batch(rows) for rows in positions]
             step = train_step(models, micro, cfg, ptx, guard, kl_coef, train_actor)
-            if (
-                ppo.update.on_policy_shortcut
-            ):  # what the forward filled in the micro batches' copies
-                for rows, exp in zip(step_rows.split(ppo.update.per_device_batch_size), micro):
-                    rollout.old_logprobs[rows.to(rollout.scores.device)] = exp.old_logprobs
+            if ppo.update.on_policy_shortcut:  # what the forward filled in the micro batches
+                source.fill_old_logprobs(positions, micro, rollout)
             for key, value in step.items():
                 epoch_totals[key] = epoch_totals.get(key, 0.0) + value
             guard.end_step(state.global_step + 1)
@@ -128,7 +125,10 @@ def train_step(
         0.0,
     )
     ratio_max = 0.0
-    for exp in micro:
+    # the step's PTX batches: grad_accum of them however many micro batches it has
+    ptx_of = [range(k, ppo.update.grad_accum, len(micro)) for k in range(len(micro))]
+    for k, exp in enumerate(micro):
+        boundary = k == len(micro) - 1  # micro batches by tokens: not grad_accum of them
         n = float(exp.response_mask.sum())
         units = algos.aggregation_units(exp.response_mask, aggregation)
         start = exp.prompt_width - 1
@@ -139,11 +139,13 @@ def train_step(
             loss, stats = actor_loss(models, exp, cfg, kl_coef, aggregation, packing)
             loss = loss * units * actor_scale
             if ptx is not None:
-                unsup = ptx.loss(models.actor)
-                # DeepSpeed averages over ranks and divides by grad_accum: this leaves
-                # unsup_coef x the mean PTX loss of the global step
-                loss = loss + ppo.ptx.coef * unsup * ppo.update.grad_accum / len(micro)
-                out["unsup_loss"] += unsup.item()
+                for _ in ptx_of[k]:
+                    unsup = ptx.loss(models.actor)
+                    # DeepSpeed averages over ranks and divides by grad_accum: this leaves
+                    # unsup_coef x the mean PTX loss of the global step
+                    loss = loss + ppo.ptx.coef * unsup
+                    out["unsup_loss"] += unsup.item()
+            models.actor.set_gradient_accumulation_boundary(boundary)
             if guard.finite(loss):
                 models.actor.backward(loss)
             models.actor.step()  # every micro batch: DeepSpeed's accumulation stays aligned
@@ -159,6 +161,7 @@ def train_step(
             critic_loss, vstats = algos.value_loss(
                 values.float(), exp.old_values, exp.returns, exp.response_mask, ppo.loss.value_clip
             )
+            models.critic.set_gradient_accumulation_boundary(boundary)
             if guard.finite(critic_loss):
                 models.critic.backward(critic_loss * n * scale)
             models.critic.step()
