@@ -1,4 +1,4 @@
-"""``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal] ARGS``, from
+"""``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal | update] ARGS``, from
 the repository root: the steps bench (benchmarks/steps.py), or the subcommand's bench. ``_trl``
 (the TRL columns' worker) and ``<bench> _worker`` are the benches' own subprocesses."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import checkpoints, floor, reference, rehearsal, rollout, steps, trl_runs
+from benchmarks import checkpoints, floor, reference, rehearsal, rollout, steps, trl_runs, update
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> dict:
         return floor.main(argv[1:])
     if argv[:1] == ["rollout"]:  # vLLM against the transformers path
         return rollout.main(argv[1:])
+    if argv[:1] == ["update"]:  # the PPO update's micro batches: fixed rows or by tokens
+        return update.main(argv[1:])
     if argv[:1] == ["reference"]:  # a LoRA policy's reference: a copy or the adapters off
         return reference.main(argv[1:])
     return steps.main(argv)

@@ -216,7 +216,7 @@ def test_modes_differ_only_in_what_the_baseline_turns_off(tmp_path):
 
 def test_python_m_benchmarks_runs_each_bench():
     """The benches run from the checkout's root (they are not in the wheel)."""
-    for sub in ([], ["rollout"], ["reference"], ["floor"]):
+    for sub in ([], ["rollout"], ["reference"], ["floor"], ["update"]):
         command = [sys.executable, "-m", "benchmarks", *sub, "--help"]
         proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
@@ -371,6 +371,32 @@ def test_the_floor_bench_times_every_part_and_the_whole_iteration_on_two_ranks(t
     assert len(hf["ratios"]) == 2 and hf["ratio"] == pytest.approx(statistics.median(hf["ratios"]))
     assert all(r > 0 for r in hf["ratios"])
     assert "ratio" in proc.stdout and "hf" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_update_bench_times_every_layout_on_two_ranks_and_they_make_the_same_update(
+    tmp_path,
+):
+    cmd = [sys.executable, "-m", "benchmarks", "update", "--out", str(tmp_path)]
+    cmd += ["--rows", "16", "--repeats", "1", "--zero", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "update.json").read_text())
+    layouts = report["layouts"]
+    assert list(layouts) == ["fixed", "tokens", "balanced", "tokens+balanced"]
+    losses = [r["actor_loss"] for r in layouts.values()]
+    assert losses[0] != 0 and max(losses) - min(losses) < 1e-5  # lr 0: the same update
+    assert all(len(r["seconds"]) == 1 and r["median_s"] > 0 for r in layouts.values())
+    workload = report["workload"]  # a long tail: the median answer far below the longest
+    assert workload["answer_tokens_max"] > 4 * workload["answer_tokens_median"]
+    assert "x fixed" in proc.stdout and "tokens+balanced" in proc.stdout
+
+
+def test_the_update_bench_refuses_rows_past_the_models_positions():
+    cmd = [sys.executable, "-m", "benchmarks", "update", "--answer-len", "512"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--prompt-len + --answer-len: at most 256 (embedded's positions)" in proc.stderr
 
 
 def test_the_floor_bench_refuses_an_engine_it_cannot_run_before_any_work(tmp_path):
