@@ -2,9 +2,9 @@
 --nproc_per_node 2 and the repository on PYTHONPATH): every parameter of the actor and the
 critic partitioned, each rank with its own rollout (rank 1's answers longer), one PPO update of
 two optimizer steps from the same weights in four layouts: fixed rows, micro batches by tokens,
-rows dealt over the ranks by tokens, and both. For every estimator the gathered weights and the
-stats of the layouts must agree with the fixed rows'. Each rank prints one "rank R ok ..." line
-or fails."""
+rows dealt over the ranks by tokens, and both with the rows packed. For every estimator the
+gathered weights and the stats of the layouts must agree with the fixed rows'. Each rank prints
+one "rank R ok ..." line or fails."""
 
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ LAYOUTS = {
     "fixed": [],
     "tokens": ["ppo.update.micro_batch_tokens=24"],
     "balanced": ["ppo.update.balance_ranks=true"],
-    "tokens+balanced": ["ppo.update.micro_batch_tokens=24", "ppo.update.balance_ranks=true"],
+    "tokens+balanced": [  # and packed: bins of the rollout's width grouped by the budget
+        "ppo.update.micro_batch_tokens=24",
+        "ppo.update.balance_ranks=true",
+        "ppo.update.packing=true",
+    ],
 }
 
 

@@ -42,6 +42,8 @@ LAYOUTS = {
     "tokens": ("ppo.update.micro_batch_tokens=12",),
     "balanced": ("ppo.update.balance_ranks=true",),
     "tokens+balanced": ("ppo.update.micro_batch_tokens=12", "ppo.update.balance_ranks=true"),
+    # rows packed end to end into bins of the rollout's width, bins grouped by the budget
+    "tokens+packed": ("ppo.update.micro_batch_tokens=12", "ppo.update.packing=true"),
 }
 POLICY_CASES = [
     ("grpo", ("ppo.loss.policy=gspo",)),
