@@ -115,6 +115,19 @@ CASES = [(n, ()) for n, e in sorted(registry.ESTIMATORS.items()) if not e.teache
 ]
 
 
+def assert_same_update(a, b, atol: float) -> None:
+    """Two ``_update`` results: the same actor and critic weights (``atol``, rtol 1e-5) and
+    the same stats."""
+    for p, q in zip(a.actor.parameters(), b.actor.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-5)
+    if a.critic is not None:
+        for p, q in zip(a.critic.parameters(), b.critic.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=atol, rtol=1e-5)
+    assert set(a.stats) == set(b.stats)
+    for key, value in a.stats.items():
+        assert b.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.parametrize(("estimator", "extra"), CASES, ids=[f"{n}{''.join(e)}" for n, e in CASES])
 def test_the_shortcut_makes_the_same_update_with_one_actor_forward_less(estimator, extra):
     full, short = _update(estimator, False, *extra), _update(estimator, True, *extra)
@@ -124,14 +137,7 @@ def test_the_shortcut_makes_the_same_update_with_one_actor_forward_less(estimato
         for p, q in zip(full.actor.parameters(), ppo_tests._lm(seed=3).parameters(), strict=True)
     ]
     assert max(moved) > 1e-3  # the update did something to compare
-    for p, q in zip(full.actor.parameters(), short.actor.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    if full.critic is not None:
-        for p, q in zip(full.critic.parameters(), short.critic.parameters(), strict=True):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    assert set(full.stats) == set(short.stats)
-    for key, value in full.stats.items():
-        assert short.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert_same_update(full, short, atol=1e-6)
     mask = full.exp.response_mask.bool()
     for name in ("old_logprobs", "kl"):  # filled after the update as scoring computes them
         torch.testing.assert_close(

@@ -34,7 +34,7 @@ from tests.test_critic_free import (
     SHAPING,
     LengthReward,
 )
-from tests.test_on_policy_shortcut import CASES, _config, _update
+from tests.test_on_policy_shortcut import CASES, _config, _update, assert_same_update
 
 # one step of 4 rows: 4 micro batches of 1 row, or by tokens (rows of 4-6 tokens) 2 of 2 rows
 FIXED = ("ppo.update.per_device_batch_size=1", "ppo.update.grad_accum=4")
@@ -58,14 +58,7 @@ __all__ = ["PPO"]  # the fixture, used by name below
 
 def _same_update(a, b) -> None:
     """Weights within float rounding (two SGD steps of a ratio up to ~300 amplify it)."""
-    for p, q in zip(a.actor.parameters(), b.actor.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
-    if a.critic is not None:
-        for p, q in zip(a.critic.parameters(), b.critic.parameters(), strict=True):
-            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
-    assert set(a.stats) == set(b.stats)
-    for key, value in a.stats.items():
-        assert b.stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert_same_update(a, b, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

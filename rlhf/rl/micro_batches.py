@@ -101,8 +101,9 @@ def trimmed(exp: Experience) -> Experience:
     its own width."""
     real = exp.attention_mask.bool().any(0)
     width = exp.prompt_width
+    # the first column any row uses; the last prompt column (it predicts the first answer
+    # token) stays even where every prompt is empty
     left = int(real[:width].int().argmax()) if bool(real[:width].any()) else width - 1
-    left = min(left, width - 1)  # the last prompt column predicts the first answer token
     answer = real[width:].nonzero()
     kept = int(answer[-1]) + 1 if len(answer) else 1
     fields = {}
