@@ -87,9 +87,10 @@ def main(argv: list[str]) -> dict:
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}"]
     command += ["-m", "benchmarks", "update", "_worker", str(spec_path)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    # the ranks' output goes straight to this terminal: progress a round, a traceback at once
+    proc = subprocess.run(command, cwd=REPO)
     if proc.returncode != 0:
-        raise SystemExit(f"the update bench failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"the update bench failed (exit {proc.returncode}): its output is above")
     results = json.loads((args.out / "update.json").read_text())
     report = {"command": " ".join(["python -m benchmarks update", *argv]), **results}
     (args.out / "update.json").write_text(json.dumps(report, indent=2))
@@ -208,10 +209,14 @@ def run_layouts(spec: dict) -> None:
                 models, exp, configs[name], TrainState(), None, NonFiniteGuard(3), 0.0
             )
             barrier()
+            elapsed = time.perf_counter() - started
             if round_ > 0:
-                seconds[name].append(time.perf_counter() - started)
+                seconds[name].append(elapsed)
             else:
                 losses[name] = stats["ppo/actor_loss"]
+            if rank() == 0:  # an OPT-125m round takes minutes on CPU: say where it is
+                label = f"round {round_}/{spec['repeats']}" if round_ else "warm-up"
+                print(f"{label}: {name} {elapsed:.3f} s", file=sys.stderr, flush=True)
     tokens = gather_lists([int(exp.attention_mask.sum())])
     every_answer = gather_lists(answers.tolist())
     if rank() == 0:
