@@ -503,12 +503,20 @@ def main(argv: list[str] | None = None) -> int:
     checks = (check_pipeline, check_hybrid_engine, check_logprob_gap, check_zero3_resume)
     for check in (*checks, check_vllm, check_recipe):
         print(f"{check.__name__} ...", flush=True)
+        before = len(rows)
         try:
             rows += check(s)
+        except KeyboardInterrupt:  # a time limit (the GPU kit's run.sh): keep what finished
+            rows.append(Row(check.__name__, "interrupted (time limit)", "runs", False))
+            break
         except Exception as err:  # one failing check still prints the others
             print(f"{check.__name__} failed: {err}", file=sys.stderr)
             last = (str(err).strip().splitlines() or [""])[-1]
             rows.append(Row(check.__name__, f"{type(err).__name__}: {last}"[:300], "runs", False))
+        # written as each check ends, so a run killed later still leaves these rows
+        (out / "check.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        if rows[before:]:
+            print(table(rows[before:]), flush=True)
     device = "CPU (--tiny)" if args.tiny else torch.cuda.get_device_name()
     print(f"\nPPO GPU check on {device}, {time.perf_counter() - started:.0f} s, runs in {out}\n")
     print(table(rows))
