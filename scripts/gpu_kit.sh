@@ -43,6 +43,10 @@ if missing:
 EOF
 )
 
+if [[ -e $kit && ! -f $kit/python-version ]]; then  # rebuilt in place only if it is a kit
+    echo "error: $kit exists and is not a GPU kit: name a new folder" >&2
+    exit 2
+fi
 rm -rf "$kit"
 mkdir -p "$kit/wheels"
 # binary wheels for the device's Python where PyPI has them, built here where it has only an
@@ -54,7 +58,14 @@ while read -r pin; do
     if ! "$python" -m pip download -q --no-deps --only-binary=:all: --python-version "$target_python" \
         --implementation cp --abi "$abi" --abi abi3 --abi none "${platforms[@]}" --platform any \
         -d "$kit/wheels" "$pin" 2>/dev/null; then
-        DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps -w "$kit/wheels" "$pin"
+        built=$(mktemp -d)
+        DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps -w "$built" "$pin"
+        # built here, a wheel with compiled parts would be for this machine's Python, not the device's
+        ls "$built"/*-py3-none-any.whl >/dev/null 2>&1 || {
+            echo "error: PyPI has no $pin wheel for Python $target_python, and it is not pure Python: $(ls "$built")" >&2
+            exit 1
+        }
+        mv "$built"/*.whl "$kit/wheels/" && rm -rf "$built"
     fi
 done <<<"$pins"
 # the project from a copy of its files: setuptools' build/ in the checkout could hold modules

@@ -94,3 +94,17 @@ def test_run_refuses_outside_a_checkout(kit, tmp_path):
     proc = run_kit(kit, tmp_path, tmp_path / "site")
     assert proc.returncode == 2
     assert "no tests/gpu/check.py" in proc.stderr
+
+
+def test_the_builder_never_empties_a_folder_that_is_not_a_kit(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_kit.sh"), str(tmp_path)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "is not a GPU kit" in proc.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
