@@ -1,12 +1,23 @@
 """``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal | update] ARGS``, from
-the repository root: the steps bench (benchmarks/steps.py), or the subcommand's bench. ``_trl``
-(the TRL columns' worker) and ``<bench> _worker`` are the benches' own subprocesses."""
+the repository root: the steps bench (benchmarks/steps.py), or the subcommand's bench
+(``reference --dschat PATH``: against DeepSpeed-Chat's own code, benchmarks/dschat.py).
+``_trl`` (the TRL columns' worker) and ``<bench> _worker`` are the benches' own subprocesses."""
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks import checkpoints, floor, reference, rehearsal, rollout, steps, trl_runs, update
+from benchmarks import (
+    checkpoints,
+    dschat,
+    floor,
+    reference,
+    rehearsal,
+    rollout,
+    steps,
+    trl_runs,
+    update,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
         return rollout.main(argv[1:])
     if argv[:1] == ["update"]:  # the PPO update's micro batches: fixed rows or by tokens
         return update.main(argv[1:])
+    if argv[:1] == ["reference"] and any(a.split("=")[0] == "--dschat" for a in argv[1:]):
+        return dschat.main(argv[1:])  # DeepSpeed-Chat's own step 1-3 code, side by side
     if argv[:1] == ["reference"]:  # a LoRA policy's reference: a copy or the adapters off
         return reference.main(argv[1:])
     return steps.main(argv)

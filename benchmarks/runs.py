@@ -69,6 +69,11 @@ def run_rlhf(overrides: list[str], run_dir: Path, args, env: dict | None = None)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: metrics.jsonl is appended to
     run_dir.mkdir(parents=True)
     wall = run_logged(["rlhf", *overrides, f"hydra.run.dir={run_dir}"], run_dir, args, env)
+    return read_run(run_dir, wall)
+
+
+def read_run(run_dir: Path, wall: float) -> dict:
+    """A finished run's summary.json, its steady rates (:func:`steady_rates`) and ``wall``."""
     summary = {**json.loads((run_dir / "summary.json").read_text()), "bench/wall_s": wall}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {**summary, **steady_rates([r for r in rows if "perf/samples_per_s" in r])}
