@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks import dschat
+from benchmarks import dschat, dschat_code, wallclock
 from benchmarks.workload import DSCHAT
 from rlhf.assets import TINY_TOKENIZER_DIR
 from tests.conftest import REPO
@@ -20,7 +20,7 @@ from tests.conftest import REPO
 
 def fake_checkout(root):
     chat = root / "applications" / "DeepSpeed-Chat"
-    for script in dschat.SCRIPTS.values():
+    for script in dschat_code.SCRIPTS.values():
         (chat / script).parent.mkdir(parents=True, exist_ok=True)
         (chat / script).write_text("")
     (chat / "dschat").mkdir()
@@ -29,8 +29,8 @@ def fake_checkout(root):
 
 def test_finds_deepspeed_chat_in_a_checkout_or_its_own_folder(tmp_path):
     chat = fake_checkout(tmp_path)
-    assert dschat.dschat_folder(tmp_path) == chat.resolve()
-    assert dschat.dschat_folder(chat) == chat.resolve()
+    assert dschat_code.dschat_folder(tmp_path) == chat.resolve()
+    assert dschat_code.dschat_folder(chat) == chat.resolve()
 
 
 def test_a_folder_without_deepspeed_chat_is_one_line_naming_what_was_looked_for(tmp_path):
@@ -49,9 +49,9 @@ def test_a_folder_without_deepspeed_chat_is_one_line_naming_what_was_looked_for(
 def test_an_interpreter_deepspeed_chat_cannot_finish_in_is_refused_before_any_run(tmp_path):
     # this environment's transformers is 5: DeepSpeed-Chat's step 1 would fail at its save
     with pytest.raises(ValueError, match=r"has transformers 5\.\S+: DeepSpeed-Chat's steps 1"):
-        dschat.dschat_environment(sys.executable)
+        dschat_code.dschat_environment(sys.executable)
     with pytest.raises(ValueError, match="No such file"):
-        dschat.dschat_environment(str(tmp_path / "python"))
+        dschat_code.dschat_environment(str(tmp_path / "python"))
 
 
 @pytest.mark.parametrize(
@@ -78,16 +78,16 @@ def command_args(tmp_path):
 def test_the_commands_run_deepspeed_chats_own_scripts_on_the_scenarios_shapes(tmp_path):
     args = command_args(tmp_path)
     models = {k: tmp_path / k for k in ("actor", "critic", "sft", "reward")}
-    sft = dschat.dschat_command("sft", args, models, tmp_path / "run", "-")
+    sft = dschat_code.dschat_command("sft", args, models, tmp_path / "run", "-")
     assert sft[:4] == ["py", "-m", "deepspeed.launcher.runner", "--num_gpus"]
-    assert sft[7] == str(args.work_chat / dschat.SCRIPTS["sft"])
+    assert sft[7] == str(args.work_chat / dschat_code.SCRIPTS["sft"])
     flags = dict(itertools.pairwise(sft))
     assert flags["--data_split"] == "800,1600,320"
     assert flags["--model_name_or_path"] == str(tmp_path / "actor")
     assert flags["--num_train_epochs"] == "4"
     assert flags["--zero_stage"] == "2"
     assert flags["--dtype"] == "bf16"
-    ppo = dschat.dschat_command("ppo", args, models, tmp_path / "run", "eos")
+    ppo = dschat_code.dschat_command("ppo", args, models, tmp_path / "run", "eos")
     flags = dict(itertools.pairwise(ppo))
     assert flags["--actor_model_name_or_path"] == str(tmp_path / "sft")
     assert flags["--critic_model_name_or_path"] == str(tmp_path / "reward")
@@ -97,14 +97,14 @@ def test_the_commands_run_deepspeed_chats_own_scripts_on_the_scenarios_shapes(tm
 
 
 def timed(lines):
-    return dschat.Timed(lines=lines, wall_s=100.0, peak_rss_gb=0.7)
+    return wallclock.Timed(lines=lines, wall_s=100.0, peak_rss_gb=0.7)
 
 
 def test_sft_rate_is_the_global_batch_over_the_median_step_interval():
     step = "Model Parameters: 0.004 B, Latency: 0.40s, TFLOPs: 0.03, Samples/sec: 9.9"
     times = [10.0, 10.5, 11.0, 11.5, 30.0, 30.5]  # an evaluation between epochs
     lines = [(0.0, "Beginning of Epoch 1/4")] + [(t, step) for t in times]
-    result = dschat.dschat_result("sft", timed(lines), SimpleNamespace(scale=1.0), "-", None)
+    result = dschat_code.dschat_result("sft", timed(lines), SimpleNamespace(scale=1.0), "-", None)
     assert result["samples_per_s"] == pytest.approx(8 / 0.5)
     assert result["peak_mem_gb"] == 0.7
 
@@ -116,7 +116,9 @@ def test_reward_rate_is_its_rows_over_the_epochs_training_time():
         (45.0, "Epoch 1/1 with loss 0.69"),
         (50.0, "***** Evaluating reward, Epoch 1/1 *****"),
     ]
-    result = dschat.dschat_result("reward", timed(lines), SimpleNamespace(scale=1.0), "-", None)
+    result = dschat_code.dschat_result(
+        "reward", timed(lines), SimpleNamespace(scale=1.0), "-", None
+    )
     assert result["samples_per_s"] == pytest.approx(1600 / 40)
 
 
@@ -134,7 +136,7 @@ def test_ppo_iteration_is_the_median_interval_and_answers_are_counted_from_rank_
         lines.append((t, f"Generation => Latency: 0.{5 + i}0s, Per-token Latency 4.1 ms"))
         lines.append((t, "Training   => Latency: 0.30s, TFLOPs: 0.05"))
     args = SimpleNamespace(scale=1.0)
-    eos = dschat.dschat_result("ppo", timed(lines), args, "eos", tokenizer)
+    eos = dschat_code.dschat_result("ppo", timed(lines), args, "eos", tokenizer)
     assert eos["s_per_iter"] == pytest.approx(1.0)  # intervals 1.0, 1.5, 1.0
     # DeepSpeed-Chat's own split: generate and train medians, the rest of the interval scoring
     assert (eos["generate_s"], eos["update_s"]) == pytest.approx((0.65, 0.30))
@@ -143,26 +145,26 @@ def test_ppo_iteration_is_the_median_interval_and_answers_are_counted_from_rank_
     assert eos["response_length"] == pytest.approx((2 * (len(words[:2]) + 1) + 128) / 3)
     # fixed answers must reach the cap: these did not, so min_new_tokens did not take
     with pytest.raises(RuntimeError, match="did not take it"):
-        dschat.dschat_result("ppo", timed(lines), args, "fixed", tokenizer)
+        dschat_code.dschat_result("ppo", timed(lines), args, "fixed", tokenizer)
     full = [(t, line.replace(repr(answers), repr([long_]))) for t, line in lines]
-    fixed = dschat.dschat_result("ppo", timed(full), args, "fixed", tokenizer)
+    fixed = dschat_code.dschat_result("ppo", timed(full), args, "fixed", tokenizer)
     assert fixed["response_length"] == 128
 
 
 def test_too_few_timed_lines_say_so():
     with pytest.raises(RuntimeError, match="1 timed lines"):
-        dschat.median_interval([3.0])
+        wallclock.median_interval([3.0])
 
 
 def test_decoding_is_written_into_the_actors_config_and_replaced_each_time(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt", "top_k": 50}))
-    dschat.set_decoding(tmp_path, greedy=False, fixed_answer=128)
+    dschat_code.set_decoding(tmp_path, greedy=False, fixed_answer=128)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["do_sample"] is True
     assert (config["top_k"], config["top_p"], config["temperature"]) == (0, 1.0, 1.0)
     assert config["min_new_tokens"] == 128
     assert config["model_type"] == "opt"
-    dschat.set_decoding(tmp_path, greedy=True, fixed_answer=None)
+    dschat_code.set_decoding(tmp_path, greedy=True, fixed_answer=None)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["do_sample"] is False
     assert not {"min_new_tokens", "top_k", "top_p", "temperature"} & set(config)
