@@ -23,8 +23,10 @@ What is compared, measured the same way where both allow it:
   re-tokenised, plus the end-of-text where an answer stopped before the cap). ``--answers
   fixed`` makes both decode exactly 128 tokens (rlhf ``ppo.rollout.stop_at_eos=false``;
   DeepSpeed-Chat ``min_new_tokens`` in the actor's config.json): equal work.
-- Peak memory: the largest resident set of any process of the run (each rank's), sampled
-  every 0.2 s by the bench for both frameworks.
+- Peak memory: the largest resident set of any Python process of the run (each rank's),
+  sampled every 0.2 s by the bench for both frameworks.
+- PPO's split: rlhf's ``perf/generate_s``, ``score_s`` and ``update_s``; DeepSpeed-Chat's
+  "Generation" and "Training" latencies, the rest of its iteration counted as scoring.
 
 DeepSpeed-Chat takes its sampling from the actor checkpoint's config (its ``generate`` passes
 none), so the bench writes ``do_sample``, ``top_k`` 0 and ``top_p`` 1 (sampled, as rlhf's
