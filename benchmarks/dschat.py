@@ -220,7 +220,12 @@ def measure_run(framework: str, section: str, answers: str, rnd: int, ctx) -> di
             "TORCH_EXTENSIONS_DIR": str(extensions),
         }
         cwd = (args.work_chat / SCRIPTS[section]).parent
-        timed = run_timed(cmd, cwd, env, run_dir / "output.log")
+        try:
+            timed = run_timed(cmd, cwd, env, run_dir / "output.log")
+        finally:  # DeepSpeed-Chat never tears down its CPU all-reduce buffers: GBs of /dev/shm
+            port = cmd[cmd.index("--master_port") + 1]
+            for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+                buffer.unlink(missing_ok=True)
         result = dschat_result(section, timed, args, answers, ctx["tokenizer"])
         export = run_dir
     else:
