@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from rlhf.config import RENAMED_KEYS, ConfigError, unknown_key
+from rlhf.config.schema import ASYNC_KEY
 
 QUOTE_HINT = (
     "quote the value inside the argument, as in \"data.sources.local.path='/my data/x.jsonl'\" "
@@ -105,7 +106,12 @@ def check_yaml_file(path: Path) -> None:
         raise ConfigError(f"{where}: YAML syntax error: {message}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: YAML error: {err}") from None
-    for key in _dotted_keys(content):
+    keys = _dotted_keys(content)
+    for key in keys:  # ppo.async.X: ppo.asynchronous.X, named at its leaf
+        at = _async_at(key)
+        if at is not None and not any(k.startswith(key + ".") for k in keys):
+            raise ConfigError(f"{path}: {key}: {unknown_key(at)}")
+    for key in keys:
         # under whatever package the file lands (actor: {twin_path: ...} in a _global_ file),
         # or as a sweep's axis (hydra.sweeper.params: {critic.offload_twin: ...})
         old = next((o for o in RENAMED_KEYS if key == o or key.endswith("." + o)), None)
@@ -114,6 +120,16 @@ def check_yaml_file(path: Path) -> None:
         became_section = old is not None and RENAMED_KEYS[old].startswith(old + ".")
         if old is not None and not (became_section and isinstance(_at(content, key), dict)):
             raise ConfigError(f"{path}: {key}: {unknown_key(old)}")
+
+
+def _async_at(key: str) -> str | None:
+    """The part of a dotted key from ``ppo.async`` on (ppo.async.min_finished, under whatever
+    package or sweep axis), or None."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i : i + 2] == ASYNC_KEY.split("."):
+            return ".".join(parts[i:])
+    return None
 
 
 def _at(node, key: str):

@@ -25,7 +25,7 @@ def repeatable_problems(config: Config) -> list[str]:
     if not config.deterministic or config.step.name != "ppo":  # step=all: its ppo step's
         return []
     timeout = config.ppo.rollout.multi_turn.env_timeout_s
-    env = _environment(config)
+    env = environment_source(config)
     if timeout is None or env is None:
         return []
     accepted = (
@@ -52,7 +52,7 @@ def repeatable_launch_problems(config: Config) -> list[str]:
     ]
 
 
-def _environment(config: Config) -> str | None:
+def environment_source(config: Config) -> str | None:
     """The first PPO prompt source whose task is an environment (multi-turn), or None."""
     names = config.ppo.rollout.prompt_sources or list(config.data.sources)
     for name in names:

@@ -1,7 +1,8 @@
 """Checks of the config's settings that need more than the schema: model directories that do
 not exist, the data sources (adapters, files, tasks), PPO's estimator, named reward function,
-on-policy shortcut and PTX source, the embedded model's tuning applied to another model, and
-offload where DeepSpeed ignores it. Each returns problems; nothing here loads a model."""
+on-policy shortcut, PTX source and partial rollouts, the embedded model's tuning applied to
+another model, and offload where DeepSpeed ignores it. Each returns problems; nothing here
+loads a model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from rlhf import registry, tasks
 from rlhf.checks.model_dirs import frozen_paths, read_model_config, trained_models
+from rlhf.checks.partial_rollouts import partial_rollout_problems
 from rlhf.checks.teacher import teacher_problems
 from rlhf.config import (
     TINY_MODEL,
@@ -35,6 +37,7 @@ def config_problems(
         out += [problem_message(prefix + k, v, ok) for k, v, ok in source_problems(source)]
     out += [problem_message(k, v, ok) for k, v, ok in _ppo_problems(config)]
     out += [problem_message(k, v, ok) for k, v, ok in teacher_problems(config)]
+    out += [problem_message(k, v, ok) for k, v, ok in partial_rollout_problems(config)]
     return out + (tiny_tuning_problems(config) if trains else []) + offload_problems(config)
 
 

@@ -15,8 +15,8 @@ values, an experiment). The comment on or above each field is its meaning, shown
 The package mirrors ``conf/``: one module per config group (step, model, data, zero, lora,
 optim, logger, ppo, dpo, pipeline, ...), each holding that section's dataclass and its checks;
 ``root`` the top-level Config, ``schema`` registration, :func:`to_config` and the unknown-key
-checks; PPO's sections (ppo.rollout, ppo.loss, ...) are in ``ppo_rollout`` and
-``ppo_sections``. Every name is re-exported here: ``from rlhf.config import ...`` as before.
+checks; PPO's sections (ppo.rollout, ppo.loss, ...) are in ``ppo_rollout``, ``ppo_async``
+(ppo.asynchronous) and ``ppo_sections``. Every name is re-exported here: ``from rlhf.config import ...`` as before.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from rlhf.config.opd import OPD_LOSSES, OPDConfig, TeacherConfig
 from rlhf.config.optim import SCHEDULERS, OptimConfig, RoleOptimConfig
 from rlhf.config.pipeline import NOT_READ_BY, PIPELINES, PipelineConfig
 from rlhf.config.ppo import FLAT_KEYS, GENERATION_CACHES, ROLLOUT_ENGINES, PPOConfig, nest_flat
+from rlhf.config.ppo_async import ON_STALE, PPOAsyncConfig
 from rlhf.config.ppo_rollout import PPORolloutConfig
 from rlhf.config.ppo_sections import (
     PPOAdvantageConfig,
@@ -78,6 +79,7 @@ __all__ = [
     "LOGGER_BACKENDS",
     "LOGPROB_REDUCTIONS",
     "NOT_READ_BY",
+    "ON_STALE",
     "OPD_LOSSES",
     "OVERLONG_PROMPTS",
     "PIPELINES",
@@ -106,6 +108,7 @@ __all__ = [
     "OPDConfig",
     "OptimConfig",
     "PPOAdvantageConfig",
+    "PPOAsyncConfig",
     "PPOConfig",
     "PPOEMAConfig",
     "PPOEvalConfig",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.config.ppo_async import PPOAsyncConfig
 from rlhf.config.ppo_rollout import GENERATION_CACHES, ROLLOUT_ENGINES, PPORolloutConfig
 from rlhf.config.ppo_sections import (
     PPOAdvantageConfig,
@@ -27,6 +28,8 @@ class PPOConfig:
     section per concern (``python -m rlhf --help ppo.loss`` prints one)."""
 
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)  # sampling the answers
+    # partial rollouts: answers carried over phases, the staleness bound (ppo.async is not a key)
+    asynchronous: PPOAsyncConfig = field(default_factory=PPOAsyncConfig)
     update: PPOUpdateConfig = field(default_factory=PPOUpdateConfig)  # passes over a rollout
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)  # the actor's and critic's
     kl: PPOKLConfig = field(default_factory=PPOKLConfig)  # the KL to the reference
@@ -39,6 +42,7 @@ class PPOConfig:
     def problems(self) -> list[tuple[str, Any, str]]:
         """The checks across sections (each section checks its own keys)."""
         rollout, update = self.rollout, self.update
+        partial = self.asynchronous.enabled
         out = []
         rows = rollout.per_device_batch_size * rollout.batches * rollout.samples_per_prompt
         step_rows = update.per_device_batch_size * update.grad_accum
@@ -50,6 +54,17 @@ class PPOConfig:
                     f"a size such that update.per_device_batch_size x update.grad_accum "
                     f"({step_rows}) divides the rollout of rollout.per_device_batch_size x "
                     f"rollout.batches x rollout.samples_per_prompt ({rows})",
+                )
+            )
+        if rollout.engine == "hf" and rollout.correction_mode != "none" and not partial:
+            out.append(
+                (
+                    "rollout.correction",
+                    rollout.correction,
+                    "null or none with engine=hf (it corrects vLLM's log-probs; the hf path "
+                    "samples with the trainer's own weights and kernels), unless "
+                    "ppo.asynchronous.min_finished is set (its sampled tokens are older "
+                    "policies')",
                 )
             )
         buffer = self.reward.overlong_buffer

@@ -61,6 +61,7 @@ AUTO_KEYS = {
     "sweep.objective": None,
     "sweep.direction": None,
 }
+# not ppo.asynchronous.chunk_tokens: left null where partial rollouts are off (nothing reads it)
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ def resolve_ppo(cfg: Config, facts: Facts) -> set[str]:
     ppo = cfg.ppo
     if not ppo.rollout.max_new_tokens:  # 0: what data.max_seq_len leaves after the prompt
         ppo.rollout.max_new_tokens = cfg.data.max_seq_len - cfg.data.max_prompt_len
+    if ppo.asynchronous.enabled and ppo.asynchronous.chunk_tokens is None:  # an eighth, >= 1
+        ppo.asynchronous.chunk_tokens = max(1, ppo.rollout.max_new_tokens // 8)
     if ppo.reward.overlong_buffer is None:  # a fifth of the answer budget (DAPO's 4096 of 20480)
         ppo.reward.overlong_buffer = ppo.rollout.max_new_tokens // 5
     if ppo.loss.clip_low is None:
@@ -246,8 +249,16 @@ def uses_rollout_logprobs(cfg: Config, facts: Facts) -> bool:
     the KL to the reference would get a floor. Never with the hybrid engine (its inference
     kernels), vLLM (not the trainer's kernels), a top-k / top-p sampler (it records the full
     distribution's log-probs, the update scores the truncated one), nor a KL that reads the
-    logits (full: it needs the actor's distributions)."""
+    logits (full: it needs the actor's distributions).
+
+    Partial rollouts (ppo.asynchronous.min_finished) carry tokens older policies sampled: with
+    ppo.rollout.correction=none the old log-probs are the sampler's (true); with a correction,
+    the proximal policy's (the actor at the update's start, a scoring forward), the sampler's
+    the behaviour policy in it (decoupled PPO: false). rlhf.checks.partial_rollouts refuses
+    what contradicts it."""
     ppo = cfg.ppo
+    if ppo.asynchronous.enabled:  # ppo.rollout.correction resolved first (resolve_ppo)
+        return ppo.rollout.correction_mode == "none"
     if cfg.actor.hybrid_engine or facts.kl_reads_logits or teacher_reads_logits(cfg, facts):
         return False
     if ppo.rollout.engine == "vllm" or truncates(ppo):
@@ -295,6 +306,12 @@ def off_policy_reasons(
         out.append("algo=opd's advantages are the student-teacher gap of the old log-probs")
     if ppo.update.critic_warmup_steps > 0:
         out.append("ppo.update.critic_warmup_steps: iterations without an actor forward")
+    if ppo.asynchronous.enabled:
+        out.append(
+            f"ppo.asynchronous.min_finished={ppo.asynchronous.min_finished} (partial rollouts "
+            "train tokens older policies sampled: the update's forward would stand in for "
+            "their old log-probs)"
+        )
     # not reasons: ppo.ema.enabled averages the actor for its export only; ppo.rollout.correction weighs
     # the sampler's log-probs against the old ones inside the loss, after the forward filled them
     return out

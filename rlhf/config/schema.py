@@ -134,11 +134,17 @@ def _ppo_renames() -> dict[str, str]:
 RENAMED_KEYS |= _ppo_renames()
 
 
+# ppo.asynchronous's natural name, which no dataclass field can have
+ASYNC_KEY, ASYNC_WHY = "ppo.async", "async is a Python keyword"
+
+
 def unknown_key(key: str) -> str | None:
     """None for a key of the schema (``step.max_steps``, ``data.sources.mine.path``), else
     what to say: the new name of a renamed key, or the closest known key."""
     if key in RENAMED_KEYS:
         return f"no such key; renamed to {RENAMED_KEYS[key]}"
+    if key == ASYNC_KEY or key.startswith(ASYNC_KEY + "."):
+        return f"no such key; {key} is ppo.asynchronous{key[len(ASYNC_KEY) :]} ({ASYNC_WHY})"
     node_type, segments = Config, key.split(".")
     for depth, segment in enumerate(segments):
         known, below = _below(node_type, segment)
@@ -185,8 +191,21 @@ def _unknown_below(node: Any, node_type: Any, prefix: str) -> list[str]:
     out = []
     for name, value in node.items():
         known, below = _below(node_type, str(name))
-        if not known:
+        if not known and prefix + str(name) == ASYNC_KEY and isinstance(value, dict) and value:
+            out += [f"{key}: {unknown_key(key)}" for key in _leaves(value, f"{ASYNC_KEY}.")]
+        elif not known:
             out.append(f"{prefix}{name}: {unknown_key(prefix + str(name))}")
         else:
             out += _unknown_below(value, below, f"{prefix}{name}.")
+    return out
+
+
+def _leaves(node: dict, prefix: str) -> list[str]:
+    """The dotted keys of the leaves under a plain mapping."""
+    out = []
+    for name, value in node.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
     return out

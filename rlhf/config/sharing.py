@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.config import NOT_READ_BY, Config, RoleConfig
+from rlhf.config import NOT_READ_BY, Config, PPOAsyncConfig, RoleConfig
 
 SHARED_GROUPS = ("model", "zero", "lora", "optim")
 ROLES = ("actor", "critic")
@@ -92,7 +92,10 @@ def share_command_line(cfg: DictConfig, overrides: Sequence[str]) -> None:
 
 def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
     """step=ppo: the top-level keys on the command line that neither PPO model can take, each
-    with the keys to set instead. (step=all reads every top-level key in some step.)"""
+    with the keys to set instead; step=sft, reward, dpo: ppo.asynchronous.* set off their
+    defaults. (step=all reads every top-level key in some step.)"""
+    if step in ("sft", "reward", "dpo"):
+        return async_unread_problems(step, overrides)
     if step != "ppo":
         return []
     out = []
@@ -113,6 +116,32 @@ def unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
                 f"epochs are {PPO_BATCH_KEYS}"
             )
     return out
+
+
+ASYNC_STEPS = "ppo.asynchronous.* apply to step=ppo (and step=all's PPO phase)"
+
+
+def async_unread_problems(step: str, overrides: Sequence[str]) -> list[str]:
+    """The command line's ppo.asynchronous.* values other than their defaults at a step that
+    is not PPO's, as one line. On the command line only: step=all composes its SFT and reward
+    steps with the whole command line (step=dpo's config is checked too:
+    rlhf.checks.partial_rollouts)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    defaults = dataclasses.asdict(PPOAsyncConfig())
+    lines = []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        dotted = o.package or o.key_or_group
+        if o.is_delete() or not _overlap(dotted, "ppo.asynchronous"):
+            continue
+        name = dotted.removeprefix("ppo.asynchronous").lstrip(".")
+        if name in defaults and o.value() == defaults[name]:
+            continue  # the default, restated
+        lines.append(o.input_line)
+    if not lines:
+        return []
+    them = "it" if len(lines) == 1 else "them"
+    return [f"{', '.join(lines)}: step={step} does not read {them}; {ASYNC_STEPS}: drop {them}"]
 
 
 # --- step=all: what each of its steps runs with --------------------------------------------------

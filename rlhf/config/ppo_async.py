@@ -1,0 +1,71 @@
+"""``ppo.asynchronous``: partial rollouts with bounded staleness (verl's colocate_async partial
+rollouts, AReaL's staleness bound). The key is not ``ppo.async``: ``async`` is a Python keyword,
+which no dataclass field can be named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ON_STALE = ("regenerate", "drop")
+
+
+@dataclass
+class PPOAsyncConfig:
+    """Partial rollouts: a generation batch does not wait for its slowest answer. Each rank
+    keeps a pool of answer groups in flight and decodes it chunk_tokens at a time; a rollout
+    phase ends once a generation batch's worth of groups has finished, and the others carry
+    over, with their tokens, the log-prob each was sampled with and the policy version that
+    sampled it, into the next phase (rlhf.rl.partial)."""
+
+    # the share of the decoding pool that must finish before a phase ends: each rank decodes
+    # ceil(groups / min_finished) prompt groups at once (groups: ppo.rollout.per_device_batch_size,
+    # one generation batch), the phase ends once groups of them have finished, those train and
+    # the unfinished continue first in the next phase under the newer policy. A value in (0, 1];
+    # 1.0: no extra groups in flight (every answer waits for the slowest, through the partial
+    # path). null: partial rollouts off (the synchronous loop)
+    min_finished: float | None = None
+    # tokens each live answer decodes between counts of the finished groups; null: max(1,
+    # ppo.rollout.max_new_tokens // 8), decided before the run where min_finished is set
+    # (resolved.yaml records it)
+    chunk_tokens: int | None = None
+    # k: no token is trained on more than k policy versions after the one that sampled it (a
+    # version: the iteration that generated it); 0: every token of a trained answer is of the
+    # policy it trains (whatever carries over is decoded anew, or dropped, per on_stale: 1 or
+    # more lets answers carry over)
+    max_staleness: int = 0
+    # an in-flight episode whose oldest token would exceed max_staleness: regenerate (its
+    # tokens are discarded and its prompt decoded anew) | drop (it is discarded, counted, and
+    # its slot goes to a fresh prompt)
+    on_stale: str = "regenerate"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether partial rollouts are on (min_finished set)."""
+        return self.min_finished is not None
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        out = []
+        if self.min_finished is not None and not 0.0 < self.min_finished <= 1.0:
+            accepted = "null (partial rollouts off) or a float in (0, 1]"
+            out.append(("min_finished", self.min_finished, accepted))
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            accepted = "null (ppo.rollout.max_new_tokens // 8) or an integer >= 1"
+            out.append(("chunk_tokens", self.chunk_tokens, accepted))
+        if self.max_staleness < 0:
+            out.append(("max_staleness", self.max_staleness, "an integer >= 0"))
+        if self.on_stale not in ON_STALE:
+            out.append(("on_stale", self.on_stale, f"one of {', '.join(ON_STALE)}"))
+        if self.min_finished is None:  # the keys below apply to partial rollouts only
+            unread = {"max_staleness": 0, "on_stale": "regenerate", "chunk_tokens": None}
+            for key, default in unread.items():
+                value = getattr(self, key)
+                if value != default and not any(k == key for k, *_ in out):
+                    accepted = (
+                        f"{default if default is not None else 'null'} while "
+                        "ppo.asynchronous.min_finished is null: "
+                        f"ppo.asynchronous.{key} applies to partial rollouts: set "
+                        "ppo.asynchronous.min_finished"
+                    )
+                    out.append((key, value, accepted))
+        return out
