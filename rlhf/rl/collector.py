@@ -21,6 +21,7 @@ from rlhf.rl.experience import (
     scoring_args,
 )
 from rlhf.rl.generation import Sampling
+from rlhf.rl.partial import PartialRollouts
 from rlhf.rl.ppo_models import Models
 from rlhf.rl.rollouts import HFDecoder, VLLMDecoder
 from rlhf.rl.shaping import Shaping, outcome_rewards
@@ -81,7 +82,7 @@ class Collector:
     eot: int
     sampling: Sampling
     rollout_logprobs: bool  # old log-probs from the sampling pass (ppo.rollout.logprobs)
-    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts
+    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts | PartialRollouts
     # keep the sampler's log-probs in each Experience for ppo.rollout.correction
     keep_sampler_logprobs: bool = False
     # old log-probs from the update's forward (ppo.update.on_policy_shortcut), none computed here
@@ -115,6 +116,8 @@ class Collector:
             )
         self.episodes.add(rollout)
         tokens = int(rollout.response_mask.sum())
+        if isinstance(self.rollouts, PartialRollouts):  # carried answers were partly decoded before
+            tokens = self.rollouts.generated
         baselines = None
         if ESTIMATORS[shaping.estimator].greedy_baseline:
             baselines, greedy_tokens = self.greedy_baselines(prompt_ids, shaping)
@@ -152,7 +155,10 @@ class Collector:
             trained = exp.old_logprobs if recomputed else None
             if trained is None:
                 trained = trainer_logprobs(models.actor, exp, shaping)
-            self.gap.add(sampled, trained, rollout.response_mask)
+            measured = rollout.response_mask
+            if isinstance(self.rollouts, PartialRollouts):  # older weights sampled the others
+                measured = self.rollouts.fresh_mask(rollout)
+            self.gap.add(sampled, trained, measured)
         return exp
 
     @torch.no_grad()

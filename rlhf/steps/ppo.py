@@ -47,6 +47,7 @@ from rlhf.steps.ppo_parts import (
     iteration_plan,
     keep_state,
     log_plan,
+    partial_rollouts,
     prompt_rows,
     resolve_after_build,
     teacher_decoder,
@@ -132,7 +133,11 @@ class PPOTrainer:
             else None
         )
         self.rollouts = decoder(self.cfg, self.models, self.tokenizer, eot, dtype, env)
-        self.collect = collector(self.cfg, self.models, self.tokenizer, eot, self.rollouts)
+        pad_id = self.tokenizer.pad_token_id
+        self.partial = partial_rollouts(self.cfg, self.rollouts, pad_id, self.prompts)
+        self.collect = collector(
+            self.cfg, self.models, self.tokenizer, eot, self.partial or self.rollouts
+        )
         log_plan(self.cfg, self.collect, len(self.prompts), self.iterations, self.plan)
 
         # 3. resume from the run dir's latest checkpoint, or evaluate the SFT model first; cfg:
@@ -153,7 +158,7 @@ class PPOTrainer:
             lambda: self.run.state.tokens_seen,
         )
         self.kl = kl_controller(ppo)
-        keep_state(self.run, self.kl, self.evaluator, self.ptx, self.ema)
+        keep_state(self.run, self.kl, self.evaluator, self.ptx, self.ema, self.partial)
         sync_weights(self.rollouts)  # the resumed (or initial) weights
         self.run.evaluate_first(self.evaluator, self.models)
         self.train_speed = Throughput()
@@ -175,6 +180,8 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
     seeds = [
         rollout_seed(cfg, state.global_step, k * world_size() + rank()) for k in range(len(batches))
     ]
+    if setup.partial is not None:  # the tokens sampled now are this version's
+        setup.partial.set_version(state.global_step)
     experiences = [
         setup.collect([setup.prompts[i]["prompt_ids"] for i in rows], shaping, measure_gap, seed)
         for rows, seed in zip(batches, seeds, strict=True)
@@ -226,6 +233,7 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         **(setup.collect.gap.metrics() if measure_gap else {}),
         **(setup.collect.episodes.metrics("rollout") if multi_turn(setup) else {}),
         **(correction_metrics([rollout], ppo) if ppo.rollout.correction != "none" else {}),
+        **(setup.partial.metrics() if setup.partial is not None else {}),
         **(teacher_metrics([rollout]) if rollout.teacher_gap is not None else {}),
         **update_stats,
         "ppo/kl_coef": setup.kl.value,

@@ -20,9 +20,10 @@ from rlhf.modeling.loading import block_mask_problem, end_of_text_id, read_stats
 from rlhf.rl.collector import Collector
 from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.generation import rollout_sampling
+from rlhf.rl.partial import PartialRollouts, PartialSettings, pool_size
 from rlhf.rl.ppo_models import Models, build_models, load_tokenizer_pair, max_new_tokens
 from rlhf.rl.rollouts import HFDecoder, ModuleDecoder, build_rollouts
-from rlhf.runtime.dist import world_size
+from rlhf.runtime.dist import rank, world_size
 from rlhf.steps.loop import Run, RunInfo, total_steps
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,50 @@ def collector(cfg: Config, models: Models, tokenizer, eot: int, rollouts) -> Col
     )
 
 
-def keep_state(run: Run, kl, evaluator, ptx, ema) -> None:
+def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRollouts | None:
+    """ppo.asynchronous's pool of answer groups in flight around ``rollouts`` (the collector's
+    decoder; held-out answers keep the plain one); None when partial rollouts are off. Refill
+    prompts (the pool topped up past a generation batch) are drawn at random from ``prompts``,
+    a different draw for each rank, version and phase, the same after a resume."""
+    settings = cfg.ppo.asynchronous
+    if settings.min_finished is None:
+        return None
+    groups, budget = cfg.ppo.rollout.per_device_batch_size, max_new_tokens(cfg)
+
+    def refill(count: int, phase: int) -> list[list[int]]:
+        seed = ((cfg.seed * 1_000_003 + partial.version) * 211 + phase) * 1_013 + rank()
+        rows = torch.randint(len(prompts), (count,), generator=torch.Generator().manual_seed(seed))
+        return [prompts[i]["prompt_ids"] for i in rows.tolist()]
+
+    partial = PartialRollouts(
+        rollouts,
+        PartialSettings(
+            groups=groups,
+            pool=pool_size(groups, settings.min_finished),
+            chunk_tokens=settings.chunk_tokens or max(1, budget // 8),
+            budget=budget,
+            max_staleness=settings.max_staleness,
+            on_stale=settings.on_stale,
+        ),
+        pad_id,
+        refill,
+    )
+    log.info(
+        "partial rollouts (ppo.asynchronous): %d groups in flight a rank, a phase ends when %d "
+        "have finished, %d tokens a chunk, tokens at most %d versions old (else %s)",
+        partial.settings.pool,
+        groups,
+        partial.settings.chunk_tokens,
+        settings.max_staleness,
+        settings.on_stale,
+    )
+    return partial
+
+
+def keep_state(run: Run, kl, evaluator, ptx, ema, partial: PartialRollouts | None) -> None:
     """What a checkpoint holds beside the engines, restored now when the run resumed: the KL
-    controller, the first evaluation and hacking warnings, PTX's place, the EMA's weights."""
+    controller, the first evaluation and hacking warnings, PTX's place, the EMA's weights, the
+    partial rollouts in flight (each rank's own file, as the EMA's)."""
     if run.resumed:
         kl.load_state_dict(run.trainer["kl_controller"])
         evaluator.first, evaluator.warnings = run.trainer["evaluator"]
@@ -139,12 +181,15 @@ def keep_state(run: Run, kl, evaluator, ptx, ema) -> None:
             ptx.load_state_dict(run.trainer["ptx"])
         if ema is not None:  # each rank's slice from its own file
             ema.load(run.resumed_from)
+        if partial is not None:
+            partial.load(run.resumed_from)
     run.extra_state = lambda: {
         "kl_controller": kl.state_dict(),
         "evaluator": (evaluator.first, evaluator.warnings),
         "ptx": ptx.state_dict() if ptx is not None else None,
     }
-    run.extra_files = ema.save if ema is not None else None
+    savers = [part.save for part in (ema, partial) if part is not None]
+    run.extra_files = (lambda d: [f for save in savers for f in save(d)]) if savers else None
 
 
 def prompt_rows(cfg: Config, tokenizer, eot: int):
