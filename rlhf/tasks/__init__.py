@@ -40,6 +40,7 @@ BUILTIN = {
     "toy": "rlhf.tasks.toy:TASK",
     "toy_facts": "rlhf.tasks.toy:FACTS",
     "toy_tools": "rlhf.tasks.toy_tools:TASK",
+    "toy_count": "rlhf.tasks.toy_count:TASK",
 }
 ACCEPTED = f"one of {', '.join(BUILTIN)} or package.module:attribute (an object with rows/grade)"
 
