@@ -170,3 +170,42 @@ def test_the_engine_sleeps_through_every_update_and_wakes_to_the_pushed_weights(
     rows = _training_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)
+
+
+def test_partial_rollouts_on_vllm_carry_groups_and_resume_with_them_in_flight(
+    sft, cache_dir, tmp_path
+):
+    """ppo.asynchronous on vLLM: each chunk is one engine call with per-row bounds; the fresh
+    tokens' sampler log-probs equal the trainer's (the gap is measured on them only: the
+    carried ones are older policies'), TIS weighs the carried ones, and a run killed with
+    groups in flight resumes to the uninterrupted rows."""
+    overrides = _ppo(
+        sft,
+        cache_dir,
+        "ppo.advantage.estimator=grpo",
+        "ppo.rollout.samples_per_prompt=2",
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.asynchronous.min_finished=0.5",
+        "ppo.asynchronous.chunk_tokens=4",
+        "ppo.asynchronous.max_staleness=1",
+        "step.max_steps=4",
+        "step.checkpoint_interval=2",
+    )
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    run_rlhf(overrides, reference, extra_env=ONE_THREAD, timeout=1800)
+    rows = _training_rows(reference)
+    assert len(rows) == 4
+    assert all(r["rollout/carried_groups"] == 4 for r in rows)  # 8 in flight, 4 train
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)
+    assert all("ppo/tis_weight_mean" in r for r in rows)  # the correction of the carried tokens
+    killed = run_rlhf(
+        [*overrides, "debug.kill_at_step=3"], resumed, extra_env=ONE_THREAD, check=False
+    )
+    assert killed.returncode == KILLED, killed.stderr[-3000:]
+    run_rlhf(overrides, resumed, extra_env=ONE_THREAD, timeout=1800)
+    strip = [
+        [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]
+        for d in (reference, resumed)
+    ]
+    assert strip[1] == strip[0]
