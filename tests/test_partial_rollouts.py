@@ -6,6 +6,7 @@ the correction's sampler log-probs, against a recomputed proximal policy, with o
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -300,3 +301,32 @@ def test_a_pool_that_waits_for_every_group_collects_what_the_synchronous_loop_do
             assert torch.equal(a, b), name
         else:
             assert a == b, name
+
+
+# --- the pool a run builds ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("staleness", "warned"), [(4, True), (5, False)])
+def test_a_bound_some_answers_cannot_meet_is_warned_with_the_one_they_can(
+    staleness, warned, caplog, tmp_path
+):
+    """data=toy_count's budget is 96 tokens: 16-token chunks need 6 phases, max_staleness 5."""
+    from rlhf.config import TINY_VOCAB_SIZE
+    from rlhf.config.resolve import Facts, resolve
+    from rlhf.steps.ppo_parts import partial_rollouts
+    from tests.conftest import compose
+    from tests.test_config_async import validated
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE}))
+    overrides = ["step=ppo", "data=toy_count", f"actor.model.path={tmp_path}"]
+    overrides += ["ppo.reward.function=toy_count_gold", "ppo.advantage.estimator=grpo"]
+    overrides += ["ppo.rollout.samples_per_prompt=4", "ppo.asynchronous.min_finished=0.5"]
+    overrides += ["ppo.asynchronous.chunk_tokens=16", f"ppo.asynchronous.max_staleness={staleness}"]
+    cfg = resolve(validated(compose(overrides)), Facts()).config
+    with caplog.at_level("WARNING"):
+        partial = partial_rollouts(cfg, ScriptedDecoder(), PAD, [{"prompt_ids": [BOS, 1]}])
+    assert partial.settings.pool == 2 * partial.settings.groups and partial.settings.budget == 96
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(said) == warned
+    if warned:
+        assert "max_staleness >= 5" in said[0] and "80 tokens" in said[0]

@@ -167,6 +167,19 @@ def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRoll
         settings.max_staleness,
         settings.on_stale,
     )
+    if (reach := (settings.max_staleness + 1) * partial.settings.chunk_tokens) < budget:
+        log.warning(
+            "ppo.asynchronous: an answer spans at most max_staleness + 1 = %d phases, %d tokens "
+            "where a phase decodes one chunk: a longer one (up to ppo.rollout.max_new_tokens=%d) "
+            "finishes only in a phase that runs long and is otherwise %s, so long answers train "
+            "less often than short ones; max_staleness >= %d (or a larger chunk_tokens) lets "
+            "every answer finish",
+            settings.max_staleness + 1,
+            reach,
+            budget,
+            "decoded anew" if settings.on_stale == "regenerate" else "dropped",
+            -(-budget // partial.settings.chunk_tokens) - 1,
+        )
     return partial
 
 
