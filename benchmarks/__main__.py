@@ -1,4 +1,4 @@
-"""``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal | update] ARGS``, from
+"""``python -m benchmarks [rollout | reference | floor | checkpoints | rehearsal | update | partial] ARGS``, from
 the repository root: the steps bench (benchmarks/steps.py), or the subcommand's bench
 (``reference --dschat PATH``: against DeepSpeed-Chat's own code, benchmarks/dschat.py).
 ``_trl`` (the TRL columns' worker) and ``<bench> _worker`` are the benches' own subprocesses."""
@@ -11,6 +11,7 @@ from benchmarks import (
     checkpoints,
     dschat,
     floor,
+    partial,
     reference,
     rehearsal,
     rollout,
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
         return floor.main(argv[1:])
     if argv[:1] == ["rollout"]:  # vLLM against the transformers path
         return rollout.main(argv[1:])
+    if argv[:1] == ["partial"]:  # partial rollouts against the synchronous loop, long tail
+        return partial.main(argv[1:])
     if argv[:1] == ["update"]:  # the PPO update's micro batches: fixed rows or by tokens
         return update.main(argv[1:])
     if argv[:1] == ["reference"] and any(a.split("=")[0] == "--dschat" for a in argv[1:]):
