@@ -150,7 +150,7 @@ def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRoll
         PartialSettings(
             groups=groups,
             pool=pool_size(groups, settings.min_finished),
-            chunk_tokens=settings.chunk_tokens or max(1, budget // 8),
+            chunk_tokens=settings.chunk_tokens,  # null resolved (rlhf.config.resolve)
             budget=budget,
             max_staleness=settings.max_staleness,
             on_stale=settings.on_stale,
