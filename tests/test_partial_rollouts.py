@@ -205,17 +205,25 @@ def test_a_checkpoint_without_the_pool_is_refused_by_name(tmp_path):
 # --- the planted behaviour log-probs reach the loss's inputs ---------------------------------------
 
 
-def _planted_collector(rollout_logprobs: bool, keep_sampler_logprobs: bool):
+def _models_and_decoder(estimator: str):
+    """The models ``estimator`` scores with (a critic, a teacher where it reads one), the config
+    the collector reads and the hf decoder of the actor; the same seeds every call."""
+    spec = ESTIMATORS[estimator]
     models = SimpleNamespace(
         actor=ppo_tests.Trained(ppo_tests._lm(seed=5)),
         reference=ppo_tests._lm(seed=6),
-        critic=None,
+        critic=ppo_tests._critic() if spec.needs_critic else None,
         reward=LengthReward(),
-        teacher=None,
+        teacher=ppo_tests._lm(seed=7) if spec.teacher else None,
     )
     cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
+    return models, cfg, HFDecoder(cfg, models.actor, PAD, EOS)
+
+
+def _planted_collector(rollout_logprobs: bool, keep_sampler_logprobs: bool):
+    models, cfg, decoder = _models_and_decoder("grpo")
     settings = PartialSettings(1, 2, 4, 5, 8, "regenerate")
-    partial = PartialRollouts(HFDecoder(cfg, models.actor, PAD, EOS), settings, PAD, None)
+    partial = PartialRollouts(decoder, settings, PAD, None)
     planted = [-0.25, -1.5, -3.0]  # what versions 2 and 3 sampled, not the actor of version 5
     partial.pool = [
         Group(
@@ -268,15 +276,7 @@ def _experience(estimator: str, partial: bool) -> Experience:
     """One generation batch of three prompts (groups of two where the estimator groups), sampled
     from seed 11, collected by the synchronous collector or through a pool of min_finished=1
     whose chunk is the whole answer budget."""
-    models = SimpleNamespace(
-        actor=ppo_tests.Trained(ppo_tests._lm(seed=5)),
-        reference=ppo_tests._lm(seed=6),
-        critic=ppo_tests._critic() if ESTIMATORS[estimator].needs_critic else None,
-        reward=LengthReward(),
-        teacher=ppo_tests._lm(seed=7) if ESTIMATORS[estimator].teacher else None,
-    )
-    cfg = SimpleNamespace(actor=SimpleNamespace(zero=SimpleNamespace(stage=0)))
-    rollouts = HFDecoder(cfg, models.actor, PAD, EOS)
+    models, cfg, rollouts = _models_and_decoder(estimator)
     prompts = [[BOS, 5, 6, 7], [BOS, 8], [BOS, 9, 10]]
     if partial:
         rollouts = PartialRollouts(rollouts, PartialSettings(3, 3, 6, 6, 0, "drop"), PAD, None)
