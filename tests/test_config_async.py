@@ -1,8 +1,8 @@
-"""ppo.asynchronous (partial rollouts with bounded staleness): the section's defaults leave
-today's config as it was; each value and combination it refuses is one line naming the key,
-its value and what is accepted, before any model is built; ppo.rollout.logprobs,
-ppo.update.on_policy_shortcut and ppo.asynchronous.chunk_tokens resolve as partial rollouts
-need. Nothing here builds a model."""
+"""ppo.asynchronous (partial rollouts with bounded staleness, apart rollouts on ranks that only
+generate): the section's defaults leave today's config as it was; each value and combination it
+refuses is one line naming the key, its value and what is accepted, before any model is built;
+ppo.rollout.logprobs, ppo.update.on_policy_shortcut and ppo.asynchronous.chunk_tokens resolve as
+partial and apart rollouts need. Nothing here builds a model."""
 
 from __future__ import annotations
 
@@ -58,8 +58,10 @@ def test_the_section_is_ppo_asynchronous_and_off_by_default():
         "chunk_tokens": None,
         "max_staleness": 0,
         "on_stale": "regenerate",
+        "rollout_ranks": 0,
     }
-    assert not section.enabled and section.problems() == []
+    assert not section.enabled and not section.apart and not section.off_policy
+    assert section.problems() == []
     assert list(dataclasses.asdict(PPOConfig()))[:2] == ["rollout", "asynchronous"]
 
 
@@ -87,6 +89,7 @@ def test_the_default_section_resolves_nothing_new(overrides, facts):
         "ppo.asynchronous.chunk_tokens=null",
         "ppo.asynchronous.max_staleness=0",
         "ppo.asynchronous.on_stale=regenerate",
+        "ppo.asynchronous.rollout_ranks=0",
     ]
     assert resolve(to_config(compose(spelt)), facts).config == plain
     assert plain.ppo.asynchronous.chunk_tokens is None
@@ -104,26 +107,32 @@ def test_the_default_section_resolves_nothing_new(overrides, facts):
         ("ppo.asynchronous.chunk_tokens=0", "ppo.asynchronous.chunk_tokens=0", "integer >= 1"),
         ("ppo.asynchronous.max_staleness=-1", "ppo.asynchronous.max_staleness=-1", ">= 0"),
         ("ppo.asynchronous.on_stale=keep", "ppo.asynchronous.on_stale='keep'", "regenerate, drop"),
+        ("ppo.asynchronous.rollout_ranks=-1", "ppo.asynchronous.rollout_ranks=-1", "integer >= 0"),
     ],
 )
 def test_a_bad_value_of_the_section_is_one_line(override, key, accepted):
-    line = refusal([PARTIAL, override] if "min_finished" not in override else [override])
+    alone = "min_finished" in override or "rollout_ranks" in override
+    line = refusal([override] if alone else [PARTIAL, override])
     assert line.startswith(key) and accepted in line
 
 
 @pytest.mark.parametrize(
-    "override",
-    [
-        "ppo.asynchronous.max_staleness=2",
-        "ppo.asynchronous.on_stale=drop",
-        "ppo.asynchronous.chunk_tokens=8",
-    ],
+    "override", ["ppo.asynchronous.on_stale=drop", "ppo.asynchronous.chunk_tokens=8"]
 )
 def test_the_partial_keys_without_min_finished_are_refused(override):
     key = override.split("=")[0]
     line = refusal([override])
     assert line.startswith(key)
     assert f"{key} applies to partial rollouts: set ppo.asynchronous.min_finished" in line
+
+
+def test_max_staleness_without_partial_or_apart_rollouts_is_refused():
+    line = refusal(["ppo.asynchronous.max_staleness=2"])
+    assert line.startswith("ppo.asynchronous.max_staleness=2: expected 0 while")
+    assert (
+        "ppo.asynchronous.max_staleness applies to partial rollouts or apart rollouts: set "
+        "ppo.asynchronous.min_finished or ppo.asynchronous.rollout_ranks"
+    ) in line
 
 
 @pytest.mark.parametrize("on_stale", ["regenerate", "drop"])
@@ -212,6 +221,202 @@ def test_a_correction_with_hf_only_under_partial_rollouts():
     assert validated(compose([PARTIAL, "ppo.rollout.correction=tis"])).ppo.rollout.correction
 
 
+# --- apart rollouts (ppo.asynchronous.rollout_ranks) ----------------------------------------
+
+APART = "ppo.asynchronous.rollout_ranks=1"
+# apart rollouts run at step=ppo only (the default step is all), which reads its models' paths
+PPO = ["step=ppo", "actor.model.path=/tmp", "critic.model.path=/tmp"]
+WITH_APART = "with apart rollouts (ppo.asynchronous.rollout_ranks > 0)"
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """A launch of two ranks (torchrun sets WORLD_SIZE): one to generate, one to train."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def test_the_apart_properties():
+    section = PPOAsyncConfig(rollout_ranks=1)
+    assert section.apart and section.off_policy and not section.enabled
+    partial = PPOAsyncConfig(min_finished=0.5)
+    assert partial.off_policy and not partial.apart
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_an_apart_config_validates_and_reads_max_staleness(two_ranks, max_staleness):
+    config = validated(compose([*PPO, APART, f"ppo.asynchronous.max_staleness={max_staleness}"]))
+    section = config.ppo.asynchronous
+    assert section.apart and section.max_staleness == max_staleness
+
+
+@pytest.mark.parametrize(("world", "ranks"), [(None, 1), ("1", 1), ("2", 2), ("4", 5)])
+def test_as_many_rollout_ranks_as_the_launch_has_is_refused(monkeypatch, world, ranks):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    line = refusal([*PPO, f"ppo.asynchronous.rollout_ranks={ranks}"])
+    assert line.startswith(
+        f"ppo.asynchronous.rollout_ranks={ranks}: expected fewer than the world size "
+        f"({world or 1}): at least one rank must train; launch with torchrun "
+        f"--nproc_per_node N, N > {ranks}"
+    ), line
+
+
+def test_fewer_rollout_ranks_than_the_launch_has_validate(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert validated(compose([*PPO, "ppo.asynchronous.rollout_ranks=3"])).ppo.asynchronous.apart
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "accepted"),
+    [
+        (
+            [PARTIAL],
+            "ppo.asynchronous.min_finished=0.5",
+            f"null {WITH_APART}: partial rollouts on the rollout ranks are not built yet",
+        ),
+        (
+            ["algo=remax"],
+            "ppo.advantage.estimator='remax'",
+            f"{WITH_APART}: remax's greedy baseline must answer the same prompt under the same "
+            "policy as it trains, not on another rank ahead of time",
+        ),
+        (
+            ["algo=dapo"],
+            "ppo.advantage.dynamic_sampling=True",
+            f"false {WITH_APART}: DAPO's refilling",
+        ),
+        (
+            ["data=toy_tools"],
+            "ppo.asynchronous.rollout_ranks=1",
+            "apart rollouts of multi-turn episodes (decoded on another rank ahead of time) "
+            "are not built yet",
+        ),
+        (
+            ["ppo.update.on_policy_shortcut=true"],
+            "ppo.update.on_policy_shortcut=True",
+            "ppo.asynchronous.rollout_ranks=1 (apart rollouts train tokens another process sampled",
+        ),
+        (
+            ["ppo.rollout.logprobs=false"],
+            "ppo.rollout.logprobs=False",
+            f"null or true {WITH_APART} and ppo.rollout.correction=none: the old log-probs "
+            "are the sampler's, the only record of the policy that sampled a token decoded on "
+            "a rollout rank",
+        ),
+        (
+            ["ppo.rollout.correction=tis", "ppo.rollout.logprobs=true"],
+            "ppo.rollout.logprobs=True",
+            f"null or false {WITH_APART} and ppo.rollout.correction=tis",
+        ),
+        (
+            ["ppo.rollout.engine=vllm", "ppo.rollout.correction=none"],
+            "ppo.rollout.correction='none'",
+            f"{WITH_APART} here: with none the old log-probs would be the sampler's (a rollout "
+            "rank's, ppo.asynchronous.max_staleness versions behind the update), which cannot "
+            "serve: engine=vllm's log-probs",
+        ),
+        (["ppo.rollout.top_k=5"], "ppo.rollout.correction=None", "one of tis"),
+        (["actor.hybrid_engine=true"], "ppo.rollout.correction=None", "hybrid_engine"),
+        (
+            ["ppo.asynchronous.on_stale=drop"],
+            "ppo.asynchronous.on_stale='drop'",
+            "ppo.asynchronous.on_stale applies to partial rollouts: drop it (the rollout ranks "
+            "of apart rollouts do not decode partially yet)",
+        ),
+        (
+            ["ppo.asynchronous.chunk_tokens=8"],
+            "ppo.asynchronous.chunk_tokens=8",
+            "ppo.asynchronous.chunk_tokens applies to partial rollouts: drop it",
+        ),
+    ],
+    ids=[
+        "min-finished",
+        "remax",
+        "dynamic-sampling",
+        "multi-turn",
+        "shortcut",
+        "logprobs-false",
+        "logprobs-true-tis",
+        "vllm-none",
+        "top-k-none",
+        "hybrid-none",
+        "on-stale",
+        "chunk-tokens",
+    ],
+)
+def test_each_apart_refusal_is_one_line_before_any_model(two_ranks, overrides, key, accepted):
+    line = refusal([*PPO, APART, *overrides])
+    assert line.startswith(key) and accepted in line, line
+
+
+def test_apart_rollouts_at_step_all_are_refused(two_ranks):
+    line = refusal([APART])  # step=all, the default
+    assert line == (
+        f"{APART}: expected 0 with step=all: its SFT and reward steps train on every rank, only "
+        "PPO's ranks split into rollout and training ranks: run step=ppo"
+    )
+
+
+def test_apart_rollouts_keep_what_only_partial_rollouts_refuse(two_ranks):
+    """Nothing is carried over: stop_at_eos=false is no refusal of apart rollouts."""
+    overrides = ["ppo.rollout.stop_at_eos=false", "ppo.rollout.drop_finished_rows=false"]
+    assert validated(compose([*PPO, APART, *overrides])).ppo.asynchronous.apart
+
+
+def test_a_correction_with_hf_under_apart_rollouts(two_ranks):
+    config = validated(compose([*PPO, APART, "ppo.rollout.correction=tis"]))
+    assert config.ppo.rollout.correction == "tis"
+
+
+def test_step_dpo_and_a_pipeline_without_ppo_refuse_rollout_ranks():
+    line = refusal(["step=dpo", "model.path=/tmp", APART])
+    assert line == f"{APART}: expected 0 with step=dpo: {STEPS}"
+    line = refusal(["algo=dpo", APART])
+    assert line == f"{APART}: expected 0 with step=all's steps [sft, dpo]: {STEPS}"
+    [line] = unread_problems("sft", ["step=sft", APART])
+    assert line.startswith(f"{APART}: step=sft does not read it")
+
+
+@pytest.mark.parametrize("facts", [Facts(), Facts(device="cuda", bf16=True)], ids=["fp32", "bf16"])
+def test_apart_with_no_correction_takes_the_samplers_log_probs(two_ranks, facts):
+    cfg = resolved(*PPO, APART, facts=facts)
+    assert cfg.ppo.rollout.correction == "none"
+    assert cfg.ppo.rollout.logprobs is True  # bf16 too, as for partial rollouts
+    assert cfg.ppo.update.on_policy_shortcut is False
+    assert cfg.ppo.asynchronous.chunk_tokens is None  # partial rollouts only
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["ppo.rollout.correction=tis"], ["ppo.rollout.engine=vllm"]],
+    ids=["hf-tis", "vllm"],
+)
+def test_apart_with_a_correction_recomputes_the_proximal_log_probs(two_ranks, overrides):
+    cfg = resolved(*PPO, APART, *overrides)
+    assert cfg.ppo.rollout.correction != "none"
+    assert cfg.ppo.rollout.logprobs is False
+    assert cfg.ppo.update.on_policy_shortcut is False
+
+
+def test_apart_rollouts_are_an_off_policy_reason():
+    on_policy = [
+        "ppo.update.epochs=1",
+        "ppo.kl.in_loss=true",
+        "ppo.rollout.per_device_batch_size=2",
+        "ppo.update.per_device_batch_size=2",
+        "ppo.update.grad_accum=1",
+    ]
+    assert off_policy_reasons(to_config(compose(on_policy))) == []
+    [reason] = off_policy_reasons(to_config(compose([APART, *on_policy])))
+    assert reason == (
+        f"{APART} (apart rollouts train tokens another process sampled, "
+        "ppo.asynchronous.max_staleness versions behind: the update's forward would stand in "
+        "for their old log-probs)"
+    )
+
+
 # --- the steps without a PPO phase ---------------------------------------------------------------
 
 
@@ -278,6 +483,7 @@ def test_help_lists_the_section():
         "ppo.asynchronous.chunk_tokens",
         "ppo.asynchronous.max_staleness",
         "ppo.asynchronous.on_stale",
+        "ppo.asynchronous.rollout_ranks",
     ]
     meanings = key_help.field_meanings()
     assert all(meanings[("PPOAsyncConfig", f.name)] for f in dataclasses.fields(PPOAsyncConfig))

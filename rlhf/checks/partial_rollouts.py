@@ -1,6 +1,7 @@
-"""What partial rollouts (``ppo.asynchronous.min_finished`` set) refuse, by name, before any
-model is built: the steps that have no PPO phase, and the settings that need every answer of a
-generation batch sampled by one policy in one phase, or that would leave nothing to carry.
+"""What partial rollouts (``ppo.asynchronous.min_finished`` set) and apart rollouts
+(``ppo.asynchronous.rollout_ranks`` > 0) refuse, by name, before any model is built: the steps
+that have no PPO phase, and the settings that need every answer of a generation batch sampled by
+one policy in one phase, or that would leave nothing to carry.
 
 - step=dpo (and step=all whose steps have no ppo) with any ppo.asynchronous key off its
   default (step=sft and step=reward: on the command line, rlhf.config.sharing, since step=all
@@ -15,13 +16,20 @@ generation batch sampled by one policy in one phase, or that would leave nothing
   rlhf.config.resolve.uses_rollout_logprobs), and correction=none where the sampler's cannot
   serve as the old ones.
 
-ppo.update.on_policy_shortcut=true is refused by rlhf.checks.settings: partial rollouts are one
-of rlhf.config.resolve.off_policy_reasons. The section's own values (ranges, the keys set
-while min_finished is null) are rlhf.config.ppo_async's."""
+Apart rollouts refuse the same estimator, dynamic sampling, multi-turn task and log-probs (their
+batches are decoded on another rank ahead of time), and: as many rollout ranks as the launch has
+ranks (WORLD_SIZE, as torchrun sets it: one must train), a step other than step=ppo (step=all's
+SFT and reward steps train on every rank), and min_finished with them (partial rollouts on the
+rollout ranks are not built yet).
+
+ppo.update.on_policy_shortcut=true is refused by rlhf.checks.settings: partial and apart
+rollouts are rlhf.config.resolve.off_policy_reasons. The section's own values (ranges, the keys
+set while nothing reads them) are rlhf.config.ppo_async's."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from rlhf import registry
@@ -31,29 +39,20 @@ from rlhf.config.resolve import truncates
 from rlhf.config.sharing import ASYNC_STEPS
 
 PARTIAL = "with partial rollouts (ppo.asynchronous.min_finished set)"
+APART = "with apart rollouts (ppo.asynchronous.rollout_ranks > 0)"
 
 
 def partial_rollout_problems(config: Config) -> list[tuple[str, Any, str]]:
-    """(key, value, accepted) for each setting partial rollouts refuse."""
+    """(key, value, accepted) for each setting partial rollouts or apart rollouts refuse."""
     out = step_problems(config)
-    if out or not config.ppo.asynchronous.enabled:
+    if out:
+        return out
+    if config.ppo.asynchronous.apart:
+        return apart_problems(config)
+    if not config.ppo.asynchronous.enabled:
         return out
     ppo = config.ppo
-    name = ppo.advantage.estimator
-    spec = registry.ESTIMATORS.get(name)
-    if spec is not None and spec.greedy_baseline:
-        plain = [n for n, e in registry.ESTIMATORS.items() if not e.greedy_baseline]
-        out.append(
-            (
-                "ppo.advantage.estimator",
-                name,
-                f"one of {', '.join(plain)} {PARTIAL}: {name}'s greedy baseline must answer "
-                "the same prompt under the same policy in the same phase",
-            )
-        )
-    if ppo.advantage.dynamic_sampling:
-        why = "DAPO's refilling of the groups it drops needs every group of a phase at once"
-        out.append(("ppo.advantage.dynamic_sampling", True, f"false {PARTIAL}: {why}"))
+    out += batch_problems(config, PARTIAL, "in the same phase")
     env = environment_source(config)
     if env is not None:
         out.append(
@@ -70,12 +69,85 @@ def partial_rollout_problems(config: Config) -> list[tuple[str, Any, str]]:
     return out + logprob_problems(config)
 
 
+def apart_problems(config: Config) -> list[tuple[str, Any, str]]:
+    """(key, value, accepted) for each setting apart rollouts refuse (the step: step_problems)."""
+    section = config.ppo.asynchronous
+    n, out = section.rollout_ranks, []
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it
+    if n >= world:
+        out.append(
+            (
+                "ppo.asynchronous.rollout_ranks",
+                n,
+                f"fewer than the world size ({world}): at least one rank must train; launch "
+                f"with torchrun --nproc_per_node N, N > {n} (the last {n} ranks generate)",
+            )
+        )
+    if config.step.name != "ppo":  # step=all with a PPO step (without one: step_problems)
+        out.append(
+            (
+                "ppo.asynchronous.rollout_ranks",
+                n,
+                f"0 with step={config.step.name}: its SFT and reward steps train on every rank, "
+                "only PPO's ranks split into rollout and training ranks: run step=ppo",
+            )
+        )
+    if section.enabled:
+        out.append(
+            (
+                "ppo.asynchronous.min_finished",
+                section.min_finished,
+                f"null {APART}: partial rollouts on the rollout ranks are not built yet",
+            )
+        )
+    out += batch_problems(config, APART, "as it trains, not on another rank ahead of time")
+    env = environment_source(config)
+    if env is not None:
+        out.append(
+            (
+                "ppo.asynchronous.rollout_ranks",
+                n,
+                f"0: {env} plays multi-turn episodes, and apart rollouts of multi-turn "
+                "episodes (decoded on another rank ahead of time) are not built yet",
+            )
+        )
+    return out + logprob_problems(config, APART)
+
+
+def batch_problems(config: Config, mode: str, where: str) -> list[tuple[str, Any, str]]:
+    """The estimator's greedy baseline and dynamic sampling, which need every group of a
+    generation batch under the training policy ``where`` (``mode``: PARTIAL or APART)."""
+    ppo, out = config.ppo, []
+    name = ppo.advantage.estimator
+    spec = registry.ESTIMATORS.get(name)
+    if spec is not None and spec.greedy_baseline:
+        plain = [n for n, e in registry.ESTIMATORS.items() if not e.greedy_baseline]
+        out.append(
+            (
+                "ppo.advantage.estimator",
+                name,
+                f"one of {', '.join(plain)} {mode}: {name}'s greedy baseline must answer "
+                f"the same prompt under the same policy {where}",
+            )
+        )
+    if ppo.advantage.dynamic_sampling:
+        why = "DAPO's refilling of the groups it drops needs every group of a phase at once"
+        if mode == APART:
+            why = (
+                "DAPO's refilling of the groups it drops needs every group of an iteration at "
+                "once, while the rollout ranks decode them ahead of time"
+            )
+        out.append(("ppo.advantage.dynamic_sampling", True, f"false {mode}: {why}"))
+    return out
+
+
 def step_problems(config: Config) -> list[tuple[str, Any, str]]:
-    """ppo.asynchronous.* off their defaults, partial rollouts on, at a step with no PPO phase:
-    step=dpo, step=all whose steps are not PPO's. (step=sft and step=reward: rlhf.config.sharing, on the command
-    line: step=all composes them with its whole command line.)"""
+    """ppo.asynchronous.* off their defaults, partial or apart rollouts on, at a step with no
+    PPO phase: step=dpo, step=all whose steps are not PPO's. (step=sft and step=reward:
+    rlhf.config.sharing, on the command line: step=all composes them with its whole command
+    line.)"""
     step = config.step.name
-    if not config.ppo.asynchronous.enabled:
+    if not config.ppo.asynchronous.off_policy:
         return []  # its other keys set: refused by the section itself (set min_finished)
     if step == "all" and "ppo" not in config.pipeline.steps:
         where = f"step=all's steps [{', '.join(config.pipeline.steps)}]"
@@ -94,7 +166,7 @@ def step_problems(config: Config) -> list[tuple[str, Any, str]]:
 
 def sampler_logprob_problems(config: Config) -> list[str]:
     """Why the sampler's per-token log-probs cannot be the update's old ones (as
-    rlhf.config.resolve.uses_rollout_logprobs refuses them outside partial rollouts)."""
+    rlhf.config.resolve.uses_rollout_logprobs refuses them outside partial and apart rollouts)."""
     ppo, out = config.ppo, []
     if ppo.rollout.engine == "vllm":
         out.append("engine=vllm's log-probs are not the trainer's kernels'")
@@ -109,10 +181,15 @@ def sampler_logprob_problems(config: Config) -> list[str]:
     return out
 
 
-def logprob_problems(config: Config) -> list[tuple[str, Any, str]]:
-    """ppo.rollout.logprobs against what partial rollouts take as the old log-probs."""
+def logprob_problems(config: Config, mode: str = PARTIAL) -> list[tuple[str, Any, str]]:
+    """ppo.rollout.logprobs against what partial or apart rollouts (``mode``: PARTIAL, APART)
+    take as the old log-probs."""
     rollout = config.ppo.rollout
     correction = rollout.correction_mode
+    token = "a carried token" if mode == PARTIAL else "a token decoded on a rollout rank"
+    gone = f"the policy that sampled {token} is gone"
+    if mode == APART:
+        gone = "a rollout rank's, ppo.asynchronous.max_staleness versions behind the update"
     if correction == "none":
         reasons = sampler_logprob_problems(config)
         if reasons:
@@ -121,9 +198,9 @@ def logprob_problems(config: Config) -> list[tuple[str, Any, str]]:
                 (
                     "ppo.rollout.correction",
                     rollout.correction,
-                    f"one of {', '.join(corrections)} {PARTIAL} here: with none the old "
-                    "log-probs would be the sampler's (the policy that sampled a carried token "
-                    f"is gone), which cannot serve: {'; '.join(reasons)}",
+                    f"one of {', '.join(corrections)} {mode} here: with none the old "
+                    f"log-probs would be the sampler's ({gone}), which cannot serve: "
+                    f"{'; '.join(reasons)}",
                 )
             ]
         if rollout.logprobs is False:
@@ -131,9 +208,9 @@ def logprob_problems(config: Config) -> list[tuple[str, Any, str]]:
                 (
                     "ppo.rollout.logprobs",
                     False,
-                    f"null or true {PARTIAL} and ppo.rollout.correction=none: the old "
-                    "log-probs are the sampler's, the only record of the policy that sampled "
-                    "a carried token (a scoring forward would give the current policy's)",
+                    f"null or true {mode} and ppo.rollout.correction=none: the old "
+                    f"log-probs are the sampler's, the only record of the policy that sampled "
+                    f"{token} (a scoring forward would give the current policy's)",
                 )
             ]
     elif rollout.logprobs and rollout.engine != "vllm":  # vllm: refused there already
@@ -141,7 +218,7 @@ def logprob_problems(config: Config) -> list[tuple[str, Any, str]]:
             (
                 "ppo.rollout.logprobs",
                 True,
-                f"null or false {PARTIAL} and ppo.rollout.correction={correction}: the old "
+                f"null or false {mode} and ppo.rollout.correction={correction}: the old "
                 "log-probs are the proximal policy's (the actor at the start of the update, "
                 "recomputed by a scoring forward) and the sampler's are the behaviour policy "
                 "in the correction (decoupled PPO)",

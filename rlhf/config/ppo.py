@@ -28,7 +28,8 @@ class PPOConfig:
     section per concern (``python -m rlhf --help ppo.loss`` prints one)."""
 
     rollout: PPORolloutConfig = field(default_factory=PPORolloutConfig)  # sampling the answers
-    # partial rollouts: answers carried over phases, the staleness bound (ppo.async is not a key)
+    # partial rollouts: answers carried over phases, the staleness bound; apart rollouts: ranks
+    # that only generate (ppo.async is not a key)
     asynchronous: PPOAsyncConfig = field(default_factory=PPOAsyncConfig)
     update: PPOUpdateConfig = field(default_factory=PPOUpdateConfig)  # passes over a rollout
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)  # the actor's and critic's
@@ -42,7 +43,7 @@ class PPOConfig:
     def problems(self) -> list[tuple[str, Any, str]]:
         """The checks across sections (each section checks its own keys)."""
         rollout, update = self.rollout, self.update
-        partial = self.asynchronous.enabled
+        off_policy = self.asynchronous.off_policy  # partial or apart rollouts
         out = []
         rows = rollout.per_device_batch_size * rollout.batches * rollout.samples_per_prompt
         step_rows = update.per_device_batch_size * update.grad_accum
@@ -56,7 +57,7 @@ class PPOConfig:
                     f"rollout.batches x rollout.samples_per_prompt ({rows})",
                 )
             )
-        if rollout.engine == "hf" and rollout.correction_mode != "none" and not partial:
+        if rollout.engine == "hf" and rollout.correction_mode != "none" and not off_policy:
             out.append(
                 (
                     "rollout.correction",
@@ -64,7 +65,7 @@ class PPOConfig:
                     "null or none with engine=hf (it corrects vLLM's log-probs; the hf path "
                     "samples with the trainer's own weights and kernels), unless "
                     "ppo.asynchronous.min_finished is set (its sampled tokens are older "
-                    "policies')",
+                    "policies') or ppo.asynchronous.rollout_ranks is (another process samples)",
                 )
             )
         buffer = self.reward.overlong_buffer

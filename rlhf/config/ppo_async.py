@@ -1,6 +1,7 @@
 """``ppo.asynchronous``: partial rollouts with bounded staleness (verl's colocate_async partial
-rollouts, AReaL's staleness bound). The key is not ``ppo.async``: ``async`` is a Python keyword,
-which no dataclass field can be named."""
+rollouts, AReaL's staleness bound), and apart rollouts (ranks that only generate, verl's and
+OpenRLHF's one-step-off). The key is not ``ppo.async``: ``async`` is a Python keyword, which no
+dataclass field can be named."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class PPOAsyncConfig:
     keeps a pool of answer groups in flight and decodes it chunk_tokens at a time; a rollout
     phase ends once a generation batch's worth of groups has finished, and the others carry
     over, with their tokens, the log-prob each was sampled with and the policy version that
-    sampled it, into the next phase (rlhf.rl.partial)."""
+    sampled it, into the next phase (rlhf.rl.partial). Apart rollouts: the last rollout_ranks
+    ranks only generate, max_staleness policy versions ahead of the ranks that train."""
 
     # the share of the decoding pool that must finish before a phase ends: each rank decodes
     # ceil(groups / min_finished) prompt groups at once (groups: ppo.rollout.per_device_batch_size,
@@ -32,17 +34,37 @@ class PPOAsyncConfig:
     # k: no token is trained on more than k policy versions after the one that sampled it (a
     # version: the iteration that generated it); 0: every token of a trained answer is of the
     # policy it trains (whatever carries over is decoded anew, or dropped, per on_stale: 1 or
-    # more lets answers carry over)
+    # more lets answers carry over); with rollout_ranks, how many versions generation runs
+    # ahead of training
     max_staleness: int = 0
     # an in-flight episode whose oldest token would exceed max_staleness: regenerate (its
     # tokens are discarded and its prompt decoded anew) | drop (it is discarded, counted, and
     # its slot goes to a fresh prompt)
     on_stale: str = "regenerate"
+    # n: the last n ranks of a torchrun launch only generate rollouts (hf or vLLM) and the
+    # others only train (a process group of their own); after each update the actor's weights
+    # go to the rollout ranks over torch.distributed (gloo), and each rollout rank decodes the
+    # batches of the iterations max_staleness versions ahead (0: the synchronous loop's batches,
+    # a rollout rank decoding them, nothing overlaps; k >= 1: generation of iteration i + k
+    # overlaps the update of iteration i, every trained token exactly k versions old once the
+    # pipeline is full). step=ppo only; 0: colocated (every rank generates and trains)
+    rollout_ranks: int = 0
 
     @property
     def enabled(self) -> bool:
         """Whether partial rollouts are on (min_finished set)."""
         return self.min_finished is not None
+
+    @property
+    def apart(self) -> bool:
+        """Whether apart rollouts are on (rollout_ranks > 0: ranks that only generate)."""
+        return self.rollout_ranks > 0
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether the sampler's log-probs may be of another policy or process than the
+        update's: partial rollouts or apart rollouts."""
+        return self.enabled or self.apart
 
     def problems(self) -> list[tuple[str, Any, str]]:
         out = []
@@ -56,16 +78,32 @@ class PPOAsyncConfig:
             out.append(("max_staleness", self.max_staleness, "an integer >= 0"))
         if self.on_stale not in ON_STALE:
             out.append(("on_stale", self.on_stale, f"one of {', '.join(ON_STALE)}"))
-        if self.min_finished is None:  # the keys below apply to partial rollouts only
-            unread = {"max_staleness": 0, "on_stale": "regenerate", "chunk_tokens": None}
-            for key, default in unread.items():
-                value = getattr(self, key)
-                if value != default and not any(k == key for k, *_ in out):
-                    accepted = (
-                        f"{default if default is not None else 'null'} while "
-                        "ppo.asynchronous.min_finished is null: "
-                        f"ppo.asynchronous.{key} applies to partial rollouts: set "
-                        "ppo.asynchronous.min_finished"
-                    )
-                    out.append((key, value, accepted))
+        if self.rollout_ranks < 0:
+            out.append(("rollout_ranks", self.rollout_ranks, "an integer >= 0"))
+        # max_staleness applies to partial or apart rollouts; chunk_tokens, on_stale to partial
+        unread = {} if self.enabled else {"on_stale": "regenerate", "chunk_tokens": None}
+        if not self.off_policy:
+            unread = {"max_staleness": 0, **unread}
+        for key, default in unread.items():
+            value = getattr(self, key)
+            if value != default and not any(k == key for k, *_ in out):
+                out.append((key, value, self._unread(key, default)))
         return out
+
+    def _unread(self, key: str, default: Any) -> str:
+        """What a key set off its default is accepted as where nothing reads it."""
+        shown = default if default is not None else "null"
+        if key == "max_staleness":
+            return (
+                f"{shown} while ppo.asynchronous.min_finished is null and "
+                "ppo.asynchronous.rollout_ranks is 0: ppo.asynchronous.max_staleness applies to "
+                "partial rollouts or apart rollouts: set ppo.asynchronous.min_finished or "
+                "ppo.asynchronous.rollout_ranks"
+            )
+        remedy = "set ppo.asynchronous.min_finished"
+        if self.apart:  # min_finished with rollout_ranks: refused (rlhf.checks.partial_rollouts)
+            remedy = "drop it (the rollout ranks of apart rollouts do not decode partially yet)"
+        return (
+            f"{shown} while ppo.asynchronous.min_finished is null: "
+            f"ppo.asynchronous.{key} applies to partial rollouts: {remedy}"
+        )

@@ -51,8 +51,9 @@ class PPORolloutConfig:
     # null: true in fp32, false in bf16 / fp16, whose KV-cached decoding computes other logits
     # than the update's forward (the first ratio is not 1, the KL gets a floor); always false
     # with actor.hybrid_engine, whose inference kernels differ too, and with a KL estimator that
-    # reads the logits (ppo.kl.estimator=full). Under partial rollouts (ppo.asynchronous): true
-    # with correction=none (the sampler's are the only record of a stale token's policy), false
+    # reads the logits (ppo.kl.estimator=full). Under partial or apart rollouts
+    # (ppo.asynchronous): true with correction=none (the sampler's are the only record of a
+    # stale token's policy), false
     # with a correction (the old ones are the actor's at the update's start, the sampler's the
     # behaviour policy in the correction: decoupled PPO)
     logprobs: bool | None = None
@@ -67,7 +68,7 @@ class PPORolloutConfig:
     # the sampler / trainer mismatch correction of the policy-gradient loss, by name (an entry
     # of rlhf.registry.CORRECTIONS), with tis_cap and correction_band as its bounds. null: tis
     # with engine=vllm, none with hf (whose sampler is the trainer; hf takes one only under
-    # partial rollouts, ppo.asynchronous, whose carried tokens older policies sampled)
+    # partial or apart rollouts, ppo.asynchronous, whose tokens older policies sampled)
     correction: str | None = None
     tis_cap: float = 2.0  # tis's truncation C
     correction_band: list[float] = field(default_factory=lambda: [0.5, 2.0])  # masking's band
@@ -122,7 +123,7 @@ class PPORolloutConfig:
         if len(self.correction_band) != 2 or not 0.0 <= low < 1.0 < high:
             band = list(self.correction_band)
             out.append(("correction_band", band, "[low, high] with 0 <= low < 1 < high"))
-        if self.engine == "hf":  # a correction there: PPOConfig's (allowed in partial rollouts)
+        if self.engine == "hf":  # a correction there: PPOConfig's (allowed in partial / apart)
             return out
         # vllm: the hf path's own decoding settings cannot be honoured there
         hf_only = "a setting of the hf path's decoding"

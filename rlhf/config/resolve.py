@@ -251,13 +251,14 @@ def uses_rollout_logprobs(cfg: Config, facts: Facts) -> bool:
     distribution's log-probs, the update scores the truncated one), nor a KL that reads the
     logits (full: it needs the actor's distributions).
 
-    Partial rollouts (ppo.asynchronous.min_finished) carry tokens older policies sampled: with
+    Partial rollouts (ppo.asynchronous.min_finished) carry tokens older policies sampled, and
+    apart rollouts (ppo.asynchronous.rollout_ranks) train tokens another process sampled: with
     ppo.rollout.correction=none the old log-probs are the sampler's (true); with a correction,
     the proximal policy's (the actor at the update's start, a scoring forward), the sampler's
     the behaviour policy in it (decoupled PPO: false). rlhf.checks.partial_rollouts refuses
     what contradicts it."""
     ppo = cfg.ppo
-    if ppo.asynchronous.enabled:  # ppo.rollout.correction resolved first (resolve_ppo)
+    if ppo.asynchronous.off_policy:  # ppo.rollout.correction resolved first (resolve_ppo)
         return ppo.rollout.correction_mode == "none"
     if cfg.actor.hybrid_engine or facts.kl_reads_logits or teacher_reads_logits(cfg, facts):
         return False
@@ -311,6 +312,12 @@ def off_policy_reasons(
             f"ppo.asynchronous.min_finished={ppo.asynchronous.min_finished} (partial rollouts "
             "train tokens older policies sampled: the update's forward would stand in for "
             "their old log-probs)"
+        )
+    if ppo.asynchronous.apart:
+        out.append(
+            f"ppo.asynchronous.rollout_ranks={ppo.asynchronous.rollout_ranks} (apart rollouts "
+            "train tokens another process sampled, ppo.asynchronous.max_staleness versions "
+            "behind: the update's forward would stand in for their old log-probs)"
         )
     # not reasons: ppo.ema.enabled averages the actor for its export only; ppo.rollout.correction weighs
     # the sampler's log-probs against the old ones inside the loss, after the forward filled them
