@@ -203,7 +203,16 @@ def run_step(
         note = engine.shm_comm_build_note(device)
         if note and dist.rank() == 0:
             log.info(note)
-        dist.init_distributed(device)  # torn down at exit
+        rollout_ranks = config.ppo.asynchronous.rollout_ranks if config.step.name == "ppo" else 0
+        dist.init_distributed(device, rollout_ranks=rollout_ranks)  # torn down at exit
+        if rollout_ranks and dist.generates_only():
+            from rlhf.rl.remote import serve
+            from rlhf.runtime.bridge import current
+
+            serve(
+                config, current()
+            )  # until the trainers stop; they hold the run dir, logs and summary
+            return {}
         checkpoint.require_shared(_dirs_every_rank_reads(config, run_dir))
         _quiet_libraries(is_main=dist.is_main())
         with _sole_run(run_dir, config):

@@ -23,6 +23,7 @@ from rlhf.rl.experience import (
 from rlhf.rl.generation import Sampling
 from rlhf.rl.partial import PartialRollouts
 from rlhf.rl.ppo_models import Models
+from rlhf.rl.remote import RemoteRollouts
 from rlhf.rl.rollouts import HFDecoder, VLLMDecoder
 from rlhf.rl.shaping import Shaping, outcome_rewards
 from rlhf.runtime.dist import all_reduce_sum, max_over_ranks
@@ -82,7 +83,7 @@ class Collector:
     eot: int
     sampling: Sampling
     rollout_logprobs: bool  # old log-probs from the sampling pass (ppo.rollout.logprobs)
-    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts | PartialRollouts
+    rollouts: HFDecoder | VLLMDecoder | EpisodeRollouts | PartialRollouts | RemoteRollouts
     # keep the sampler's log-probs in each Experience for ppo.rollout.correction
     keep_sampler_logprobs: bool = False
     # old log-probs from the update's forward (ppo.update.on_policy_shortcut), none computed here
@@ -156,7 +157,7 @@ class Collector:
             if trained is None:
                 trained = trainer_logprobs(models.actor, exp, shaping)
             measured = rollout.response_mask
-            if isinstance(self.rollouts, PartialRollouts):  # older weights sampled the others
+            if isinstance(self.rollouts, PartialRollouts | RemoteRollouts):  # older weights sampled
                 measured = self.rollouts.fresh_mask(rollout)
             self.gap.add(sampled, trained, measured)
         return exp

@@ -274,11 +274,11 @@ def device_bytes() -> int:
 
 
 def build_rollouts(
-    cfg: Config, actor, pad_id: int, end_id: int, dtype: str
+    cfg: Config, actor, pad_id: int, end_id: int, dtype: str, engine: str
 ) -> HFDecoder | VLLMDecoder:
-    """ppo.rollout.engine's decoder for ``actor`` (a DeepSpeed engine); vLLM's engine holds
+    """``engine``'s decoder (hf | vllm) for ``actor`` (a DeepSpeed engine); vLLM's engine holds
     dummy weights until the first :meth:`VLLMDecoder.sync`."""
-    if cfg.ppo.rollout.engine == "hf":
+    if engine == "hf":
         return HFDecoder(cfg, actor, pad_id, end_id)
     log.info("rollouts on vLLM (ppo.rollout.engine=vllm): building the engine")
     return VLLMDecoder(cfg, actor, pad_id, end_id, dtype)

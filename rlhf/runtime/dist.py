@@ -91,19 +91,22 @@ def gather_lists(items: list) -> list:
     return [item for part in parts for item in part]
 
 
-def init_distributed(device: str, timeout_s: int = 1800) -> None:
+def init_distributed(device: str, timeout_s: int = 1800, rollout_ranks: int = 0) -> None:
     """Join (or, for a plain ``python -m rlhf``, create) the process group through DeepSpeed's
     comm layer. Launchers (torchrun, deepspeed, srun) set RANK/WORLD_SIZE/MASTER_*; a single
     process makes a group of one over an in-memory store, with no port to listen on (a free
     port picked first can be taken by another program before the store binds it: many
-    one-task jobs on a SLURM node)."""
+    one-task jobs on a SLURM node). ``rollout_ranks``: the last ones only generate; the
+    process group is the trainers' (rlhf.runtime.bridge), a rollout rank joins none."""
     import deepspeed
 
-    if is_initialized():
-        deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
-        return
+    from rlhf.runtime import bridge
+
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    if is_initialized() and not rollout_ranks:
+        deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
+        return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())  # for whatever reads it; nothing binds it
@@ -118,8 +121,24 @@ def init_distributed(device: str, timeout_s: int = 1800) -> None:
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    if rollout_ranks > 0:  # (a launch of one process was refused before)
+        split = bridge.split_world(backend, rollout_ranks, timeout)
+        bridge.install(split)
+        if split.generates:
+            return
+        deepspeed.init_distributed()  # wraps the trainers' group
+    else:
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     atexit.register(teardown)
+
+
+def generates_only() -> bool:
+    """Whether this process is a rollout rank (ppo.asynchronous.rollout_ranks): it is in no
+    process group of the trainers and runs rlhf.rl.remote.serve instead of a step."""
+    from rlhf.runtime import bridge
+
+    split = bridge.current()
+    return split is not None and split.generates
 
 
 _crashed = False

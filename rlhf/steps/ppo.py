@@ -49,6 +49,7 @@ from rlhf.steps.ppo_parts import (
     log_plan,
     partial_rollouts,
     prompt_rows,
+    remote_rollouts,
     resolve_after_build,
     teacher_decoder,
     tokenizer_and_end,
@@ -77,6 +78,8 @@ def run(cfg: Config, info: RunInfo) -> dict[str, float]:
     # 5. final evaluation, exports, summary
     final = evaluate()
     close_engine(setup.rollouts)
+    if setup.remote is not None:
+        setup.remote.close()
     if setup.cfg.step.save_model:
         export_models(setup.models, setup.ema, setup.cfg, setup.tokenizer, info.run_dir)
     gen_speed, steps = setup.collect.speed, max(setup.run.state.global_step, 1)
@@ -135,8 +138,11 @@ class PPOTrainer:
         self.rollouts = decoder(self.cfg, self.models, self.tokenizer, eot, dtype, env)
         pad_id = self.tokenizer.pad_token_id
         self.partial = partial_rollouts(self.cfg, self.rollouts, pad_id, self.prompts)
+        self.remote = remote_rollouts(
+            self.cfg, lambda step: generation_batches(self, step), self.iterations, (pad_id, eot)
+        )
         self.collect = collector(
-            self.cfg, self.models, self.tokenizer, eot, self.partial or self.rollouts
+            self.cfg, self.models, self.tokenizer, eot, self.partial or self.remote or self.rollouts
         )
         log_plan(self.cfg, self.collect, len(self.prompts), self.iterations, self.plan)
 
@@ -158,8 +164,13 @@ class PPOTrainer:
             lambda: self.run.state.tokens_seen,
         )
         self.kl = kl_controller(ppo)
-        keep_state(self.run, self.kl, self.evaluator, self.ptx, self.ema, self.partial)
+        keep_state(
+            self.run, self.kl, self.evaluator, self.ptx, self.ema, self.partial or self.remote
+        )
         sync_weights(self.rollouts)  # the resumed (or initial) weights
+        if self.remote is not None:  # and the rollout ranks' first batches requested
+            self.remote.push(self.models.actor, self.run.state.global_step)
+            self.remote.start(self.run.state.global_step)
         self.run.evaluate_first(self.evaluator, self.models)
         self.train_speed = Throughput()
 
@@ -172,19 +183,17 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
     cfg, ppo, state, clock = setup.cfg, setup.cfg.ppo, setup.run.state, setup.collect.clock
     started, tokens_before = time.perf_counter(), setup.collect.speed.tokens
     shaping = iteration_shaping(cfg, setup.kl.value, setup.score_position, setup.reward_stats)
-    batches = setup.plan.micro_batches(state.epoch, state.step_in_epoch, rank())
     # the same iterations on every rank (its metrics are collective); they line up with the
     # logged rows when step.log_interval is a multiple of the interval
     interval = ppo.rollout.logprob_gap_interval
     measure_gap = interval > 0 and (state.global_step + 1) % interval == 0
-    seeds = [
-        rollout_seed(cfg, state.global_step, k * world_size() + rank()) for k in range(len(batches))
-    ]
     if setup.partial is not None:  # the tokens sampled now are this version's
         setup.partial.set_version(state.global_step)
+    if setup.remote is not None:  # rollout ranks: iteration step + k's batches to decode
+        setup.remote.request_ahead(state.global_step)
     experiences = [
-        setup.collect([setup.prompts[i]["prompt_ids"] for i in rows], shaping, measure_gap, seed)
-        for rows, seed in zip(batches, seeds, strict=True)
+        setup.collect(prompts, shaping, measure_gap, seed)
+        for prompts, seed in generation_batches(setup, state.global_step)
     ]
     group_stats = {}
     if ppo.advantage.dynamic_sampling:  # DAPO: groups of equal rewards out, other prompts' in
@@ -219,6 +228,8 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         setup.ema.update(setup.models.actor.module)
     with clock.phase("sync"):
         sync_weights(setup.rollouts)  # vLLM: the updated actor's weights (the engine woken)
+        if setup.remote is not None:  # the rollout ranks': version global_step + 1
+            setup.remote.push(setup.models.actor, state.global_step + 1)
     setup.kl.update(rollout_stats["ppo/kl"], setup.plan.global_batch_size)
     # tokens_seen: the answer tokens every rank generated to train on, the run's whole (a
     # checkpoint keeps it), so methods compare at equal generation cost
@@ -234,6 +245,7 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         **(setup.collect.episodes.metrics("rollout") if multi_turn(setup) else {}),
         **(correction_metrics([rollout], ppo) if ppo.rollout.correction != "none" else {}),
         **(setup.partial.metrics() if setup.partial is not None else {}),
+        **(setup.remote.metrics() if setup.remote is not None else {}),
         **(teacher_metrics([rollout]) if rollout.teacher_gap is not None else {}),
         **update_stats,
         "ppo/kl_coef": setup.kl.value,
@@ -261,11 +273,27 @@ def multi_turn(setup: PPOTrainer) -> bool:
     return isinstance(setup.rollouts, EpisodeRollouts)
 
 
+def generation_batches(setup: PPOTrainer, step: int) -> list[tuple[list[list[int]], int | None]]:
+    """This rank's generation batches of iteration ``step``: each one's prompt ids and sampling
+    seed (known ahead of the iteration: rollout ranks decode them early)."""
+    epoch, in_epoch = divmod(step, setup.plan.steps_per_epoch)
+    batches = setup.plan.micro_batches(epoch, in_epoch, rank())
+    return [
+        (
+            [setup.prompts[i]["prompt_ids"] for i in rows],
+            rollout_seed(setup.cfg, step, k * world_size() + rank()),
+        )
+        for k, rows in enumerate(batches)
+    ]
+
+
 def rollout_seed(cfg: Config, step: int, batch: int) -> int | None:
-    """ppo.rollout.seeded or deterministic (always with vLLM, whose RNG no checkpoint holds): the
-    sampling seed of generation batch ``batch`` (its place among all ranks' batches of the
-    iteration) at iteration ``step``; None: the process's RNG."""
-    if not (cfg.ppo.rollout.seeded or cfg.deterministic) and cfg.ppo.rollout.engine != "vllm":
+    """ppo.rollout.seeded or deterministic (always with vLLM, whose RNG no checkpoint holds, and
+    on rollout ranks, whose RNG none holds): the sampling seed of generation batch ``batch``
+    (its place among all ranks' batches of the iteration) at iteration ``step``; None: the
+    process's RNG."""
+    seeded = cfg.ppo.rollout.seeded or cfg.deterministic or cfg.ppo.asynchronous.rollout_ranks
+    if not seeded and cfg.ppo.rollout.engine != "vllm":
         return None
     return (cfg.seed * 1_000_003 + step) * 10_007 + batch
 

@@ -22,7 +22,9 @@ from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.partial import PartialRollouts, PartialSettings, pool_size
 from rlhf.rl.ppo_models import Models, build_models, load_tokenizer_pair, max_new_tokens
+from rlhf.rl.remote import RemoteRollouts, Request
 from rlhf.rl.rollouts import HFDecoder, ModuleDecoder, build_rollouts
+from rlhf.runtime import bridge
 from rlhf.runtime.dist import rank, world_size
 from rlhf.steps.loop import Run, RunInfo, total_steps
 
@@ -91,7 +93,9 @@ def resolve_after_build(cfg: Config, models: Models, info: RunInfo) -> Config:
 def decoder(cfg: Config, models: Models, tokenizer, eot: int, dtype: str, env):
     """The decoder of rollouts and evaluation (ppo.rollout.engine: vLLM's engine is built here,
     once); a multi-turn task's environment (``env``) wraps it in episodes of several turns."""
-    rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype)
+    # rollout ranks decode the rollouts; the trainers' own module the held-out answers
+    engine = "hf" if cfg.ppo.asynchronous.apart else cfg.ppo.rollout.engine
+    rollouts = build_rollouts(cfg, models.actor, tokenizer.pad_token_id, eot, dtype, engine)
     if env is None:
         return rollouts
     synced = isinstance(rollouts, HFDecoder) and rollouts.synced
@@ -127,6 +131,42 @@ def collector(cfg: Config, models: Models, tokenizer, eot: int, rollouts) -> Col
         rollouts=rollouts,
         keep_sampler_logprobs=cfg.ppo.rollout.correction != "none",
         old_from_update=cfg.ppo.update.on_policy_shortcut,
+    )
+
+
+def remote_rollouts(
+    cfg: Config, batches, iterations: int, ids: tuple[int, int]
+) -> RemoteRollouts | None:
+    """The collector's decoder where rollout ranks generate (ppo.asynchronous.rollout_ranks),
+    ``batches(step)`` this trainer's generation batches of an iteration, max_staleness
+    iterations ahead; None otherwise."""
+    split = bridge.current()
+    if not cfg.ppo.asynchronous.apart or split is None:
+        return None
+    log.info(
+        "apart rollouts: rank %d of %d decodes this trainer's batches, %d version(s) ahead of "
+        "its updates (ppo.asynchronous.rollout_ranks=%d, max_staleness)",
+        split.rollout_rank_of(split.rank),
+        split.trainers + split.rollout_ranks,
+        cfg.ppo.asynchronous.max_staleness,
+        split.rollout_ranks,
+    )
+    sampling = rollout_sampling(cfg, max_new_tokens(cfg))
+    group_size = cfg.ppo.rollout.samples_per_prompt
+    temperature = 1.0 if cfg.ppo.rollout.greedy else cfg.ppo.rollout.temperature
+
+    def request(step: int, batch: int, version: int, prompts, seed) -> Request:
+        return Request(step, batch, version, prompts, seed, sampling, group_size, temperature)
+
+    return RemoteRollouts(
+        split,
+        batches,
+        request,
+        iterations,
+        cfg.ppo.asynchronous.max_staleness,
+        ids,
+        cfg.actor.zero.stage,
+        cfg.ppo.rollout.vllm.sync_bucket_mb << 20,
     )
 
 
@@ -183,10 +223,11 @@ def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRoll
     return partial
 
 
-def keep_state(run: Run, kl, evaluator, ptx, ema, partial: PartialRollouts | None) -> None:
+def keep_state(run: Run, kl, evaluator, ptx, ema, in_flight) -> None:
     """What a checkpoint holds beside the engines, restored now when the run resumed: the KL
     controller, the first evaluation and hacking warnings, PTX's place, the EMA's weights, the
-    partial rollouts in flight (each rank's own file, as the EMA's)."""
+    answers in flight (``in_flight``: partial rollouts' pool or the rollout ranks' answers not
+    trained yet; each rank's own file, as the EMA's)."""
     if run.resumed:
         kl.load_state_dict(run.trainer["kl_controller"])
         evaluator.first, evaluator.warnings = run.trainer["evaluator"]
@@ -194,14 +235,14 @@ def keep_state(run: Run, kl, evaluator, ptx, ema, partial: PartialRollouts | Non
             ptx.load_state_dict(run.trainer["ptx"])
         if ema is not None:  # each rank's slice from its own file
             ema.load(run.resumed_from)
-        if partial is not None:
-            partial.load(run.resumed_from)
+        if in_flight is not None:
+            in_flight.load(run.resumed_from)
     run.extra_state = lambda: {
         "kl_controller": kl.state_dict(),
         "evaluator": (evaluator.first, evaluator.warnings),
         "ptx": ptx.state_dict() if ptx is not None else None,
     }
-    savers = [part.save for part in (ema, partial) if part is not None]
+    savers = [part.save for part in (ema, in_flight) if part is not None]
     run.extra_files = (lambda d: [f for save in savers for f in save(d)]) if savers else None
 
 
