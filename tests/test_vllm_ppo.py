@@ -209,3 +209,39 @@ def test_partial_rollouts_on_vllm_carry_groups_and_resume_with_them_in_flight(
         for d in (reference, resumed)
     ]
     assert strip[1] == strip[0]
+
+
+def test_a_rollout_rank_decodes_on_its_own_engine_one_version_ahead(sft, cache_dir, tmp_path):
+    """ppo.asynchronous.rollout_ranks on vLLM: rank 1 alone builds an engine and decodes, rank 0
+    trains; each answer after the first iteration trains one version old, its tokens weighed
+    by TIS against the trainer's proximal log-probs; at k = 0 (the weights that train it) the
+    sampler's log-probs equal the trainer's after each push."""
+    overrides = _ppo(
+        sft,
+        cache_dir,
+        "ppo.advantage.estimator=grpo",
+        "ppo.rollout.samples_per_prompt=2",
+        "ppo.rollout.per_device_batch_size=4",
+        "ppo.asynchronous.rollout_ranks=1",
+        "step.max_steps=3",
+    )
+    fresh = tmp_path / "fresh"
+    run_rlhf(overrides, fresh, nproc=2, extra_env=ONE_THREAD, timeout=1800)
+    rows = _training_rows(fresh)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 0, 0]
+    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # pushed weights, fp32
+
+    ahead = tmp_path / "ahead"
+    proc = run_rlhf(
+        [*overrides, "ppo.asynchronous.max_staleness=1"],
+        ahead,
+        nproc=2,
+        extra_env=ONE_THREAD,
+        timeout=1800,
+    )
+    rows = _training_rows(ahead)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all("ppo/tis_weight_mean" in r for r in rows)
+    console = proc.stdout + proc.stderr
+    assert "rollout rank 1: decoding for trainers [0] on vllm" in console
+    assert console.count("vLLM engine started") == 1  # the trainer built none

@@ -314,56 +314,77 @@ def serve(cfg: Config, bridge: Bridge) -> None:
     must still send; it ends with their Stop, or when they are gone (the bridge fails)."""
     import signal
 
-    from transformers import AutoModelForCausalLM
-
-    from rlhf.rl.rollouts import ModuleDecoder, VLLMDecoder
-    from rlhf.runtime.engine import TORCH_DTYPES, device_type
-
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     architecture = bridge.recv(0, WEIGHTS)
-    pad_id, end_id = architecture["pad_id"], architecture["end_id"]
-    dtype, device = cfg.actor.model.dtype, device_type(cfg.device)
     log.info(
         "rollout rank %d: decoding for trainers %s on %s",
         bridge.rank,
         bridge.served_trainers(),
         cfg.ppo.rollout.engine,
     )
-    if cfg.ppo.rollout.engine == "vllm":
+    engine = (VLLMServing if cfg.ppo.rollout.engine == "vllm" else HFServing)(cfg, architecture)
+    try:
+        Server(bridge, engine.load, engine.decode).run()
+    finally:
+        engine.close()
+    log.info("rollout rank %d: done", bridge.rank)
+
+
+class HFServing:
+    """The actor's architecture decoding in rlhf's own loop (the trainer's hf path)."""
+
+    def __init__(self, cfg: Config, architecture: dict):
+        from transformers import AutoModelForCausalLM
+
+        from rlhf.rl.rollouts import ModuleDecoder
+        from rlhf.runtime.engine import TORCH_DTYPES, device_type
+
+        dtype = TORCH_DTYPES[cfg.actor.model.dtype]
+        model = AutoModelForCausalLM.from_config(architecture["config"], dtype=dtype)
+        self.model = model.to(device_type(cfg.device)).eval()
+        self.state = self.model.state_dict()
+        ids = architecture["pad_id"], architecture["end_id"]
+        self.decoder = ModuleDecoder(self.model, *ids, synced=False)
+
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, tensor in weights.items():
+            self.state[name].copy_(tensor)
+
+    def decode(self, request: Request) -> Rollout:
+        return self.decoder.generate(
+            request.prompts,
+            request.sampling,
+            request.seed,
+            request.group_size,
+            request.temperature,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMServing:
+    """A vLLM engine of the rollout rank's own (the trainer's vllm path)."""
+
+    def __init__(self, cfg: Config, architecture: dict):
+        from transformers import AutoModelForCausalLM
+
+        from rlhf.rl.rollouts import VLLMDecoder
+
         with torch.device("meta"):  # the engine holds the weights; the module its shape only
             shape = AutoModelForCausalLM.from_config(architecture["config"])
-        engine = VLLMDecoder(cfg, shape, pad_id, end_id, dtype)
+        ids = architecture["pad_id"], architecture["end_id"]
+        self.decoder = VLLMDecoder(cfg, shape, *ids, cfg.actor.model.dtype)
 
-        def load(bucket):
-            engine.engine.push(iter(bucket.items()))
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        self.decoder.engine.push(iter(weights.items()))
 
-        def decode(request: Request) -> Rollout:
-            return engine.generate(
-                request.prompts, request.sampling, request.seed, request.group_size
-            )
+    def decode(self, request: Request) -> Rollout:
+        return self.decoder.generate(
+            request.prompts, request.sampling, request.seed, request.group_size
+        )
 
-    else:
-        model = AutoModelForCausalLM.from_config(
-            architecture["config"], dtype=TORCH_DTYPES[dtype]
-        ).to(device)
-        model.eval()
-        state = model.state_dict()
-        module_decoder = ModuleDecoder(model, pad_id, end_id, synced=False)
-
-        def load(bucket):
-            with torch.no_grad():
-                for name, tensor in bucket.items():
-                    state[name].copy_(tensor)
-
-        def decode(request: Request) -> Rollout:
-            return module_decoder.generate(
-                request.prompts,
-                request.sampling,
-                request.seed,
-                request.group_size,
-                request.temperature,
-            )
-
-    Server(bridge, load, decode).run()
-    log.info("rollout rank %d: done", bridge.rank)
+    def close(self) -> None:
+        self.decoder.close()  # its process groups before the interpreter's exit
