@@ -9,6 +9,12 @@ prompts; the mean over rounds, and partial - sync), and the carried tokens' stal
     python -m benchmarks partial                                   # hf, 1 rank, ZeRO-0
     python -m benchmarks partial --ranks 2 --zero 3                # every rank in every step
     python -m benchmarks partial --engine vllm                     # vLLM (scripts/install_vllm.sh)
+    python -m benchmarks partial --ranks 2 --against apart         # a rollout rank, a trainer
+
+``--against apart``: apart rollouts (ppo.asynchronous.rollout_ranks=1, --apart-staleness
+versions ahead) on the same ranks as the synchronous loop, one of them decoding, the others
+training the same global batch (each trainer's share of the prompts and of the update's rows
+grown to it).
 
 Where decoding costs the same per step whatever the rows (a GPU; ZeRO-3, whose every step
 gathers the weights; HF generate, which keeps finished rows), the synchronous loop pays for its
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.runs import CORES, REPO, run_rlhf
 
-MODES = ("sync", "partial")
+AGAINST = ("partial", "apart")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,6 +47,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # 5: an answer of the whole budget (96 tokens) spans at most 6 phases of 16 tokens, so no
     # long answer is decoded anew (docs/ppo.md, item 10)
     p.add_argument("--max-staleness", type=int, default=5)
+    p.add_argument(
+        "--against", default="partial", choices=AGAINST, help="what sync is timed against"
+    )
+    p.add_argument("--apart-staleness", type=int, default=1, help="apart: versions ahead")
     p.add_argument("--lr", type=float, default=1e-4, help="the actor's learning rate")
     p.add_argument("--sft", type=Path, help="an SFT export of data=toy_count (else trained here)")
     p.add_argument("--sft-epochs", type=int, default=4)
@@ -83,6 +93,15 @@ def ppo_overrides(args, sft: Path, mode: str, seed: int) -> list[str]:
             f"ppo.asynchronous.chunk_tokens={args.chunk_tokens}",
             f"ppo.asynchronous.max_staleness={args.max_staleness}",
         ]
+    if mode == "apart":  # one rank decodes: the trainers take the whole global batch
+        trainers = args.ranks - 1
+        prompts, rows = 8 * args.ranks // trainers, 32 * args.ranks // trainers
+        out += [
+            "ppo.asynchronous.rollout_ranks=1",
+            f"ppo.asynchronous.max_staleness={args.apart_staleness}",
+            f"ppo.rollout.per_device_batch_size={prompts}",
+            f"ppo.update.per_device_batch_size={rows}",
+        ]
     return out
 
 
@@ -119,9 +138,10 @@ def main(argv: list[str]) -> dict:
         overrides += ["logger.progress_bar=false", f"cache_dir={args.out / 'cache'}"]
         run_rlhf(overrides, run_dir, args)
         sft = run_dir / "model"
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = ("sync", args.against)
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
-        order = MODES if round_ % 2 == 0 else MODES[::-1]
+        order = modes if round_ % 2 == 0 else modes[::-1]
         for mode in order:
             run_dir = args.out / f"{mode}-round{round_}"
             run_rlhf(ppo_overrides(args, sft, mode, 1234 + round_), run_dir, args)
@@ -135,8 +155,9 @@ def main(argv: list[str]) -> dict:
 
 
 def summarise(args, runs: dict[str, list[dict]]) -> dict:
-    """Per mode the rounds' figures, their medians, and partial against sync round by round."""
-    sync, partial = runs["sync"], runs["partial"]
+    """Per mode the rounds' figures, their medians, and partial (or apart) against sync round
+    by round."""
+    sync, partial = runs["sync"], runs[args.against]
     ratios = [p["s_per_iter"] / s["s_per_iter"] for s, p in zip(sync, partial, strict=True)]
     gaps = [p["gold_accuracy"] - s["gold_accuracy"] for s, p in zip(sync, partial, strict=True)]
     return {
@@ -145,8 +166,11 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
             for key in ("engine", "ranks", "zero", "iterations", "rounds", "eval_prompts")
         }
         | {
+            "against": args.against,
             "partial": f"min_finished {args.min_finished}, chunk {args.chunk_tokens} tokens, "
-            f"max_staleness {args.max_staleness}",
+            f"max_staleness {args.max_staleness}"
+            if args.against == "partial"
+            else f"1 rollout rank, {args.apart_staleness} version(s) ahead",
         },
         "runs": runs,
         "s_per_iter_ratio": statistics.median(ratios),
@@ -160,7 +184,8 @@ def format_report(report: dict) -> str:
     w = report["workload"]
     lines = [
         f"data=toy_count, GRPO, {w['engine']}, {w['ranks']} rank(s), ZeRO-{w['zero']}, "
-        f"{w['iterations']} iterations x {w['rounds']} rounds; partial: {w['partial']}",
+        f"{w['iterations']} iterations x {w['rounds']} rounds; {w.get('against', 'partial')}: "
+        f"{w['partial']}",
         f"{'mode':<8} {'s/iter':>7} {'range':>13} {'generate s':>10} {'gold acc':>9} "
         f"{'answer tok':>10} {'stale mean':>10} {'max':>4}",
     ]
@@ -177,8 +202,9 @@ def format_report(report: dict) -> str:
         )
     ratios = ", ".join(f"{r:.2f}" for r in report["s_per_iter_ratios"])
     gaps = ", ".join(f"{g:+.3f}" for g in report["gold_accuracy_gaps"])
+    other = w.get("against", "partial")
     lines.append(
-        f"partial / sync seconds an iteration: {report['s_per_iter_ratio']:.2f} (rounds {ratios}); "
-        f"held-out gold accuracy partial - sync: {report['gold_accuracy_gap']:+.3f} (rounds {gaps})"
+        f"{other} / sync seconds an iteration: {report['s_per_iter_ratio']:.2f} (rounds {ratios}); "
+        f"held-out gold accuracy {other} - sync: {report['gold_accuracy_gap']:+.3f} (rounds {gaps})"
     )
     return "\n".join(lines)

@@ -35,6 +35,22 @@ def test_the_two_modes_differ_only_in_the_partial_rollout_keys_and_validate(tmp_
     assert cfg.ppo.asynchronous.min_finished == 0.5
 
 
+def test_apart_runs_one_rollout_rank_and_trainers_of_the_same_global_batch(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1280}))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for the run's two ranks
+    args = _args("--ranks", "2", "--against", "apart")
+    sync = partial.ppo_overrides(args, tmp_path, "sync", 7)
+    apart = partial.ppo_overrides(args, tmp_path, "apart", 7)
+    assert set(apart) - set(sync) == {
+        "ppo.asynchronous.rollout_ranks=1",
+        "ppo.asynchronous.max_staleness=1",
+        "ppo.rollout.per_device_batch_size=16",  # 2 ranks x 8 prompts, all on the one trainer
+        "ppo.update.per_device_batch_size=64",
+    }
+    cfg = validated(compose(apart))
+    assert cfg.ppo.asynchronous.apart and cfg.ppo.asynchronous.max_staleness == 1
+
+
 def _write_run(run_dir: Path, seconds: list[float], accuracy: float, stale=None) -> None:
     rows = [{"step": 0, "eval/gold_accuracy": 0.1}]
     for step, s in enumerate(seconds, start=1):
@@ -60,7 +76,7 @@ def test_the_report_pairs_the_modes_round_by_round(tmp_path):
     for mode, seconds, accuracy in (("sync", 2.0, 0.5), ("partial", 1.0, 0.48)):
         for round_ in range(2):
             _write_run(tmp_path / f"{mode}{round_}", [seconds * (1 + round_)] * 4, accuracy)
-    runs = {m: [partial.read_rows(tmp_path / f"{m}{r}") for r in range(2)] for m in partial.MODES}
+    runs = {m: [partial.read_rows(tmp_path / f"{m}{r}") for r in range(2)] for m in ("sync", "partial")}
     report = partial.summarise(_args("--rounds", "2"), runs)
     assert report["s_per_iter_ratios"] == [0.5, 0.5]
     assert abs(report["gold_accuracy_gap"] - -0.02) < 1e-9
