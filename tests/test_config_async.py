@@ -288,12 +288,6 @@ def test_fewer_rollout_ranks_than_the_launch_has_validate(monkeypatch):
             f"false {WITH_APART}: DAPO's refilling",
         ),
         (
-            ["data=toy_tools"],
-            "ppo.asynchronous.rollout_ranks=1",
-            "apart rollouts of multi-turn episodes (decoded on another rank ahead of time) "
-            "are not built yet",
-        ),
-        (
             ["ppo.update.on_policy_shortcut=true"],
             "ppo.update.on_policy_shortcut=True",
             "ppo.asynchronous.rollout_ranks=1 (apart rollouts train tokens another process sampled",
@@ -335,7 +329,6 @@ def test_fewer_rollout_ranks_than_the_launch_has_validate(monkeypatch):
         "min-finished",
         "remax",
         "dynamic-sampling",
-        "multi-turn",
         "shortcut",
         "logprobs-false",
         "logprobs-true-tis",
@@ -363,6 +356,12 @@ def test_apart_rollouts_keep_what_only_partial_rollouts_refuse(two_ranks):
     """Nothing is carried over: stop_at_eos=false is no refusal of apart rollouts."""
     overrides = ["ppo.rollout.stop_at_eos=false", "ppo.rollout.drop_finished_rows=false"]
     assert validated(compose([*PPO, APART, *overrides])).ppo.asynchronous.apart
+
+
+def test_a_multi_turn_task_validates_with_apart_rollouts(two_ranks):
+    """Its episodes are played on the rollout ranks, against the task's environment."""
+    config = validated(compose([*PPO, APART, "data=toy_tools"]))
+    assert config.ppo.asynchronous.apart
 
 
 def test_a_correction_with_hf_under_apart_rollouts(two_ranks):

@@ -117,3 +117,26 @@ def test_opd_distils_on_episodes_with_the_gap_on_the_model_tokens(exports, cache
     last = read_metrics(tmp_path)[-1]
     assert "eval/teacher_kl" in last and "eval/turns" in last
     assert not (tmp_path / "critic").exists()
+
+
+def test_a_rollout_rank_plays_the_episodes_the_synchronous_loop_plays(exports, cache_dir, tmp_path):
+    """ppo.asynchronous.rollout_ranks on a multi-turn task: the rollout rank plays whole
+    episodes against the task's environment; at max_staleness 0 the rows (turns, tool calls,
+    rewards, losses) are the synchronous loop's; at 1 every episode after the first iteration
+    trains one version old."""
+    overrides = _ppo(exports, "ppo.rollout.seeded=true", "step.max_steps=3", "step.eval_interval=3")
+    apart = [*overrides, "ppo.asynchronous.rollout_ranks=1"]
+    _run(overrides, tmp_path / "sync", cache_dir)
+    _run(apart, tmp_path / "apart", cache_dir, nproc=2)
+    without = [
+        {k: v for k, v in r.items() if k not in STALENESS} for r in _rows(tmp_path / "apart")
+    ]
+    assert without == _rows(tmp_path / "sync")
+    assert any(r["rollout/turns"] > 1 for r in _episode_rows(tmp_path / "apart"))  # tool calls
+
+    _run([*apart, "ppo.asynchronous.max_staleness=1"], tmp_path / "ahead", cache_dir, nproc=2)
+    rows = _episode_rows(tmp_path / "ahead")
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+
+
+STALENESS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/wait_s")

@@ -16,11 +16,11 @@ one policy in one phase, or that would leave nothing to carry.
   rlhf.config.resolve.uses_rollout_logprobs), and correction=none where the sampler's cannot
   serve as the old ones.
 
-Apart rollouts refuse the same estimator, dynamic sampling, multi-turn task and log-probs (their
-batches are decoded on another rank ahead of time), and: as many rollout ranks as the launch has
-ranks (WORLD_SIZE, as torchrun sets it: one must train), a step other than step=ppo (step=all's
-SFT and reward steps train on every rank), and min_finished with them (partial rollouts on the
-rollout ranks are not built yet).
+Apart rollouts refuse the same estimator, dynamic sampling and log-probs (their batches are
+decoded on another rank ahead of time; a multi-turn task's episodes are played there), and: as
+many rollout ranks as the launch has ranks (WORLD_SIZE, as torchrun sets it: one must train), a
+step other than step=ppo (step=all's SFT and reward steps train on every rank), and
+min_finished with them (partial rollouts on the rollout ranks are not built yet).
 
 ppo.update.on_policy_shortcut=true is refused by rlhf.checks.settings: partial and apart
 rollouts are rlhf.config.resolve.off_policy_reasons. The section's own values (ranges, the keys
@@ -101,16 +101,6 @@ def apart_problems(config: Config) -> list[tuple[str, Any, str]]:
             )
         )
     out += batch_problems(config, APART, "as it trains, not on another rank ahead of time")
-    env = environment_source(config)
-    if env is not None:
-        out.append(
-            (
-                "ppo.asynchronous.rollout_ranks",
-                n,
-                f"0: {env} plays multi-turn episodes, and apart rollouts of multi-turn "
-                "episodes (decoded on another rank ahead of time) are not built yet",
-            )
-        )
     return out + logprob_problems(config, APART)
 
 

@@ -106,13 +106,16 @@ class RemoteRollouts:
         ids: tuple[int, int],
         zero_stage: int,
         bucket_bytes: int,
+        environment: str | None = None,
     ):
         """``ids``: the tokenizer's pad and end-of-text ids (the rollout ranks load none);
         ``zero_stage``: the actor's (ZeRO-3: every trainer gathers its weights for a push),
-        ``bucket_bytes`` how many a gather and a message hold."""
+        ``bucket_bytes`` how many a gather and a message hold; ``environment``: the task
+        whose multi-turn episodes the rollout ranks play (None: single-turn)."""
         self.bridge, self.batches, self.request = bridge, batches, request
         self.pad_id, self.end_id = ids
         self.zero_stage, self.bucket_bytes = zero_stage, bucket_bytes
+        self.environment = environment
         self.iterations, self.lag = iterations, lag
         self.rollout_rank = bridge.rollout_rank_of(bridge.rank)
         self.version = -1  # the last weights pushed
@@ -176,7 +179,12 @@ class RemoteRollouts:
         sender = self.bridge.rank == 0
         if sender and self.version < 0:
             model = hf_model(actor)
-            architecture = {"config": model.config, "pad_id": self.pad_id, "end_id": self.end_id}
+            architecture = {
+                "config": model.config,
+                "pad_id": self.pad_id,
+                "end_id": self.end_id,
+                "environment": self.environment,
+            }
             for dst in self.bridge.rollout_ranks_list():
                 sends += self.bridge.send(architecture, dst, WEIGHTS)
         if sender or self.zero_stage == 3:
@@ -308,27 +316,52 @@ class Server:
 
 
 def serve(cfg: Config, bridge: Bridge) -> None:
-    """A rollout rank's whole run: the actor's architecture (and the tokenizer's pad and end
-    ids) from trainer 0, an engine for it (ppo.rollout.engine), then :meth:`Server.run`.
-    SIGTERM is ignored: a preempted run's trainers save the answers in flight, which this rank
-    must still send; it ends with their Stop, or when they are gone (the bridge fails)."""
+    """A rollout rank's whole run: the actor's architecture (the tokenizer's pad and end ids, the
+    task's environment) from trainer 0, an engine for it (ppo.rollout.engine), whole episodes
+    against the environment on a multi-turn task, then :meth:`Server.run`. SIGTERM is ignored:
+    a preempted run's trainers save the answers in flight, which this rank must still send; it
+    ends with their Stop, or when they are gone (the bridge fails)."""
     import signal
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     architecture = bridge.recv(0, WEIGHTS)
+    environment = architecture["environment"]
     log.info(
-        "rollout rank %d: decoding for trainers %s on %s",
+        "rollout rank %d: decoding for trainers %s on %s%s",
         bridge.rank,
         bridge.served_trainers(),
         cfg.ppo.rollout.engine,
+        f", episodes against {environment}" if environment else "",
     )
     engine = (VLLMServing if cfg.ppo.rollout.engine == "vllm" else HFServing)(cfg, architecture)
+    decoder = engine.decoder
+    if environment:
+        decoder = episode_player(cfg, decoder, environment, architecture["end_id"])
+
+    def decode(request: Request) -> Rollout:
+        return decoder.generate(
+            request.prompts, request.sampling, request.seed, request.group_size, request.temperature
+        )
+
     try:
-        Server(bridge, engine.load, engine.decode).run()
+        Server(bridge, engine.load, decode).run()
     finally:
         engine.close()
     log.info("rollout rank %d: done", bridge.rank)
+
+
+def episode_player(cfg: Config, decoder, environment: str, end_id: int):
+    """``decoder`` playing whole episodes against the task ``environment`` (as the trainers'
+    own player would: the same tokenizer, turn bounds and budget)."""
+    from rlhf import tasks
+    from rlhf.rl.episodes import EpisodeRollouts
+    from rlhf.rl.ppo_models import load_tokenizer_pair, max_new_tokens
+
+    env = tasks.resolve(environment)
+    tokenizer = load_tokenizer_pair(cfg)
+    bounds, budget = cfg.ppo.rollout.multi_turn, max_new_tokens(cfg)
+    return EpisodeRollouts(decoder, env, tokenizer, bounds, budget, end_id, synced=False)
 
 
 class HFServing:
@@ -352,15 +385,6 @@ class HFServing:
         for name, tensor in weights.items():
             self.state[name].copy_(tensor)
 
-    def decode(self, request: Request) -> Rollout:
-        return self.decoder.generate(
-            request.prompts,
-            request.sampling,
-            request.seed,
-            request.group_size,
-            request.temperature,
-        )
-
     def close(self) -> None:
         pass
 
@@ -380,11 +404,6 @@ class VLLMServing:
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         self.decoder.engine.push(iter(weights.items()))
-
-    def decode(self, request: Request) -> Rollout:
-        return self.decoder.generate(
-            request.prompts, request.sampling, request.seed, request.group_size
-        )
 
     def close(self) -> None:
         self.decoder.close()  # its process groups before the interpreter's exit

@@ -100,7 +100,9 @@ def split_world(backend: str, rollout_ranks: int, timeout: timedelta) -> Bridge:
     trainers = world - rollout_ranks
     bridge_store = torch.distributed.PrefixStore("rlhf-bridge", store)
     group = torch.distributed.ProcessGroupGloo(bridge_store, rank, world, timeout)
-    if rank < trainers:
+    if rank >= trainers:  # a process of its own: rlhf's collectives are local there
+        os.environ["WORLD_SIZE"] = "1"
+    else:
         os.environ["WORLD_SIZE"] = str(trainers)
         torch.distributed.init_process_group(
             backend,

@@ -139,7 +139,11 @@ class PPOTrainer:
         pad_id = self.tokenizer.pad_token_id
         self.partial = partial_rollouts(self.cfg, self.rollouts, pad_id, self.prompts)
         self.remote = remote_rollouts(
-            self.cfg, lambda step: generation_batches(self, step), self.iterations, (pad_id, eot)
+            self.cfg,
+            lambda step: generation_batches(self, step),
+            self.iterations,
+            (pad_id, eot),
+            env,
         )
         self.collect = collector(
             self.cfg, self.models, self.tokenizer, eot, self.partial or self.remote or self.rollouts

@@ -135,11 +135,11 @@ def collector(cfg: Config, models: Models, tokenizer, eot: int, rollouts) -> Col
 
 
 def remote_rollouts(
-    cfg: Config, batches, iterations: int, ids: tuple[int, int]
+    cfg: Config, batches, iterations: int, ids: tuple[int, int], env
 ) -> RemoteRollouts | None:
     """The collector's decoder where rollout ranks generate (ppo.asynchronous.rollout_ranks),
     ``batches(step)`` this trainer's generation batches of an iteration, max_staleness
-    iterations ahead; None otherwise."""
+    iterations ahead (``env``: the multi-turn task whose episodes they play); None otherwise."""
     split = bridge.current()
     if not cfg.ppo.asynchronous.apart or split is None:
         return None
@@ -167,6 +167,7 @@ def remote_rollouts(
         ids,
         cfg.actor.zero.stage,
         cfg.ppo.rollout.vllm.sync_bucket_mb << 20,
+        env.name if env is not None else None,
     )
 
 
