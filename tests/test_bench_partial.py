@@ -76,7 +76,9 @@ def test_the_report_pairs_the_modes_round_by_round(tmp_path):
     for mode, seconds, accuracy in (("sync", 2.0, 0.5), ("partial", 1.0, 0.48)):
         for round_ in range(2):
             _write_run(tmp_path / f"{mode}{round_}", [seconds * (1 + round_)] * 4, accuracy)
-    runs = {m: [partial.read_rows(tmp_path / f"{m}{r}") for r in range(2)] for m in ("sync", "partial")}
+    runs = {
+        m: [partial.read_rows(tmp_path / f"{m}{r}") for r in range(2)] for m in ("sync", "partial")
+    }
     report = partial.summarise(_args("--rounds", "2"), runs)
     assert report["s_per_iter_ratios"] == [0.5, 0.5]
     assert abs(report["gold_accuracy_gap"] - -0.02) < 1e-9

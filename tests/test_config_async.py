@@ -411,7 +411,7 @@ def test_apart_rollouts_are_an_off_policy_reason():
     [reason] = off_policy_reasons(to_config(compose([APART, *on_policy])))
     assert reason == (
         f"{APART} (apart rollouts train tokens another process sampled, "
-        "ppo.asynchronous.max_staleness versions behind: the update's forward would stand in "
+        "max_staleness versions behind: the update's forward would stand in "
         "for their old log-probs)"
     )
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlhf.rl.generation import Sampling
-from rlhf.rl.remote import RemoteRollouts, Request, serve
+from rlhf.rl.remote import RemoteRollouts, Request
+from rlhf.rl.rollout_server import serve
 from rlhf.rl.rollouts import ModuleDecoder
 from rlhf.runtime.bridge import Bridge
 from tests import test_ppo as ppo_tests

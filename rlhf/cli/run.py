@@ -206,7 +206,7 @@ def run_step(
         rollout_ranks = config.ppo.asynchronous.rollout_ranks if config.step.name == "ppo" else 0
         dist.init_distributed(device, rollout_ranks=rollout_ranks)  # torn down at exit
         if rollout_ranks and dist.generates_only():
-            from rlhf.rl.remote import serve
+            from rlhf.rl.rollout_server import serve
             from rlhf.runtime.bridge import current
 
             serve(

@@ -251,12 +251,9 @@ def uses_rollout_logprobs(cfg: Config, facts: Facts) -> bool:
     distribution's log-probs, the update scores the truncated one), nor a KL that reads the
     logits (full: it needs the actor's distributions).
 
-    Partial rollouts (ppo.asynchronous.min_finished) carry tokens older policies sampled, and
-    apart rollouts (ppo.asynchronous.rollout_ranks) train tokens another process sampled: with
-    ppo.rollout.correction=none the old log-probs are the sampler's (true); with a correction,
-    the proximal policy's (the actor at the update's start, a scoring forward), the sampler's
-    the behaviour policy in it (decoupled PPO: false). rlhf.checks.partial_rollouts refuses
-    what contradicts it."""
+    Partial and apart rollouts (ppo.asynchronous) train tokens older policies sampled: with
+    correction=none the old log-probs are the sampler's (true); with one, the proximal policy's
+    (a scoring forward), the sampler's the behaviour policy in it (decoupled PPO: false)."""
     ppo = cfg.ppo
     if ppo.asynchronous.off_policy:  # ppo.rollout.correction resolved first (resolve_ppo)
         return ppo.rollout.correction_mode == "none"
@@ -307,18 +304,14 @@ def off_policy_reasons(
         out.append("algo=opd's advantages are the student-teacher gap of the old log-probs")
     if ppo.update.critic_warmup_steps > 0:
         out.append("ppo.update.critic_warmup_steps: iterations without an actor forward")
-    if ppo.asynchronous.enabled:
-        out.append(
-            f"ppo.asynchronous.min_finished={ppo.asynchronous.min_finished} (partial rollouts "
-            "train tokens older policies sampled: the update's forward would stand in for "
-            "their old log-probs)"
-        )
-    if ppo.asynchronous.apart:
-        out.append(
-            f"ppo.asynchronous.rollout_ranks={ppo.asynchronous.rollout_ranks} (apart rollouts "
-            "train tokens another process sampled, ppo.asynchronous.max_staleness versions "
-            "behind: the update's forward would stand in for their old log-probs)"
-        )
+    section = ppo.asynchronous
+    stand_in = "the update's forward would stand in for their old log-probs"
+    if section.enabled:
+        why = "partial rollouts train tokens older policies sampled"
+        out.append(f"ppo.asynchronous.min_finished={section.min_finished} ({why}: {stand_in})")
+    if section.apart:
+        why = "apart rollouts train tokens another process sampled, max_staleness versions behind"
+        out.append(f"ppo.asynchronous.rollout_ranks={section.rollout_ranks} ({why}: {stand_in})")
     # not reasons: ppo.ema.enabled averages the actor for its export only; ppo.rollout.correction weighs
     # the sampler's log-probs against the old ones inside the loss, after the forward filled them
     return out
