@@ -18,7 +18,6 @@ the behaviour policy of the correction."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,12 +29,8 @@ import torch
 from rlhf.config import ConfigError
 from rlhf.rl.generation import Rollout, Sampling
 from rlhf.rl.weight_sync import hf_model, hf_weights
-from rlhf.runtime.bridge import TO_ROLLOUTS, TO_TRAINERS, Bridge
+from rlhf.runtime.bridge import TO_ROLLOUTS, TO_TRAINERS, WEIGHTS, Bridge
 from rlhf.runtime.dist import all_reduce_sum, max_over_ranks
-
-log = logging.getLogger(__name__)
-
-WEIGHTS = 3  # the bridge's tag for trainer 0's weights (requests: TO_ROLLOUTS)
 
 
 @dataclass
@@ -74,8 +69,8 @@ class Lag:
     def metrics(self) -> dict[str, float]:
         """Collective: ``rollout/staleness_mean`` / ``_max`` per trained token (versions between
         the weights that sampled it and those it trains), ``rollout/wait_s`` the seconds a
-        trainer waited for answers an iteration (verl's phase wait; 0: generation fully hidden
-        behind the update). Then starts over."""
+        trainer waited for a generation batch's answers (verl's phase wait; 0: generation
+        hidden behind the update). Then starts over."""
         tokens, stale, wait, batches = all_reduce_sum(
             self.tokens, self.stale_sum, self.wait_s, self.batches
         )

@@ -15,8 +15,8 @@ import torch
 
 from rlhf.config import Config
 from rlhf.rl.generation import Rollout
-from rlhf.rl.remote import WEIGHTS, Request, Stop
-from rlhf.runtime.bridge import TO_ROLLOUTS, TO_TRAINERS, Bridge
+from rlhf.rl.remote import Request, Stop
+from rlhf.runtime.bridge import TO_ROLLOUTS, TO_TRAINERS, WEIGHTS, Bridge
 
 log = logging.getLogger(__name__)
 

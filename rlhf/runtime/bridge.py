@@ -6,7 +6,8 @@ decoding requests one way, the rollouts the other. Both groups are made from the
 own rendezvous store (torchrun's, or rank 0's under srun), under prefixes of their own.
 
 Trainer t sends its requests to rollout rank N - n + t % n; trainer 0 alone sends weights, to
-every rollout rank. Messages between a pair keep their order (one gloo tag each way)."""
+every rollout rank. Messages between a pair keep their order (a gloo tag for each stream:
+requests, answers, weights)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-TO_ROLLOUTS, TO_TRAINERS = 1, 2  # the bridge's tags, one a direction
+# the bridge's tags: a trainer's requests, a rollout rank's answers, trainer 0's weights
+TO_ROLLOUTS, TO_TRAINERS, WEIGHTS = 1, 2, 3
 
 
 @dataclass
