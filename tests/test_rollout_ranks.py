@@ -171,3 +171,14 @@ def test_answers_to_another_batch_than_the_one_collected_stop_the_run():
         pair.remote.generate(prompts, SAMPLING, seed + 1, 2, 1.0)
     pair.remote.close()
     pair.server.join(timeout=30)
+
+
+def test_a_later_job_of_a_multirun_keeps_the_launch_split(monkeypatch):
+    from rlhf.config import ConfigError
+    from rlhf.runtime import bridge, dist
+
+    monkeypatch.setattr(bridge, "_bridge", Bridge(None, rank=1, trainers=1, rollout_ranks=1))
+    with pytest.raises(ConfigError, match=r"rollout_ranks=0: this launch's ranks were split"):
+        dist.init_distributed("cpu", rollout_ranks=0)
+    dist.init_distributed("cpu", rollout_ranks=1)  # a rollout rank: no group to join again
+    assert not dist.is_initialized()

@@ -104,6 +104,18 @@ def init_distributed(device: str, timeout_s: int = 1800, rollout_ranks: int = 0)
 
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    if (split := bridge.current()) is not None:  # a multirun's later job: the launch is split
+        if rollout_ranks != split.rollout_ranks:
+            from rlhf.config import ConfigError
+
+            raise ConfigError(
+                f"ppo.asynchronous.rollout_ranks={rollout_ranks}: this launch's ranks were split "
+                f"by an earlier job of the multirun into {split.rollout_ranks} rollout rank(s); "
+                "every job under one launch must keep that value (or step=ppo)"
+            )
+        if not split.generates:
+            deepspeed.init_distributed()
+        return
     if is_initialized() and not rollout_ranks:
         deepspeed.init_distributed()  # let deepspeed.comm wrap the existing group
         return
