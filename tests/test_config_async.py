@@ -158,11 +158,6 @@ def test_a_partial_config_validates(on_stale):
     [
         (["algo=remax"], "ppo.advantage.estimator='remax'", "greedy baseline"),
         (["algo=dapo"], "ppo.advantage.dynamic_sampling=True", "false with partial rollouts"),
-        (
-            ["data=toy_tools"],
-            "ppo.asynchronous.min_finished=0.5",
-            "partial rollouts of multi-turn episodes are not built yet",
-        ),
         (["ppo.rollout.stop_at_eos=false"], "ppo.rollout.stop_at_eos=False", "nothing to carry"),
         (
             ["ppo.update.on_policy_shortcut=true"],
@@ -193,7 +188,6 @@ def test_a_partial_config_validates(on_stale):
     ids=[
         "remax",
         "dynamic-sampling",
-        "multi-turn",
         "no-eos",
         "shortcut",
         "logprobs-false",
@@ -207,6 +201,11 @@ def test_a_partial_config_validates(on_stale):
 def test_each_refusal_is_one_line_before_any_model(overrides, key, accepted):
     line = refusal([PARTIAL, *overrides])
     assert line.startswith(key) and accepted in line, line
+
+
+def test_a_multi_turn_task_validates_with_partial_rollouts():
+    """Its episodes are carried whole (rlhf.rl.partial_episodes)."""
+    assert validated(compose([PARTIAL, "data=toy_tools"])).ppo.asynchronous.enabled
 
 
 def test_each_is_accepted_with_partial_rollouts_off():

@@ -140,3 +140,36 @@ def test_a_rollout_rank_plays_the_episodes_the_synchronous_loop_plays(exports, c
 
 
 STALENESS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/wait_s")
+
+
+def test_partial_rollouts_carry_episodes_and_resume_with_them_in_flight(
+    exports, cache_dir, tmp_path
+):
+    """ppo.asynchronous.min_finished on toy_tools: episodes (turns, observations, environment
+    state) carried over phases train within the staleness bound, and a run SIGKILLed with
+    episodes in flight resumes to the uninterrupted run's rows."""
+    overrides = _ppo(
+        exports,
+        "ppo.rollout.seeded=true",
+        "ppo.asynchronous.min_finished=0.5",
+        "ppo.asynchronous.chunk_tokens=6",
+        "ppo.asynchronous.max_staleness=2",
+        "step.max_steps=6",
+        "step.checkpoint_interval=2",
+        "step.eval_interval=6",
+    )
+    reference = tmp_path / "reference"
+    _run(overrides, reference, cache_dir)
+    rows = _episode_rows(reference)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    assert all(r["rollout/carried_groups"] == 8 for r in rows)  # 16 in flight, 8 train
+    assert any(r["rollout/staleness_mean"] > 0 for r in rows)  # carried episodes did train
+    assert any(r["rollout/turns"] > 1 for r in rows) and all(
+        r["rollout/env_errors"] == 0 for r in rows
+    )
+
+    run_dir = tmp_path / "run"
+    _kill_at(overrides, run_dir, cache_dir, 3)  # after checkpoint 2, episodes in flight
+    _run(overrides, run_dir, cache_dir)
+    assert _rows(run_dir) == _rows(reference)

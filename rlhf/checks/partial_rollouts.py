@@ -9,7 +9,6 @@ one policy in one phase, or that would leave nothing to carry.
 - an estimator with a greedy baseline (remax): the baseline must answer the same prompt under
   the same policy in the same phase.
 - ppo.advantage.dynamic_sampling: DAPO refills the groups it drops within the phase.
-- a multi-turn task (an environment): its episodes are not carried over phases yet.
 - ppo.rollout.stop_at_eos=false: every answer runs to its bound, nothing is left to carry.
 - ppo.rollout.logprobs contradicting what partial rollouts take as the old log-probs (the
   sampler's with ppo.rollout.correction=none, else the proximal policy's:
@@ -33,7 +32,6 @@ import os
 from typing import Any
 
 from rlhf import registry
-from rlhf.checks.repeatable import environment_source
 from rlhf.config import Config, PPOAsyncConfig
 from rlhf.config.resolve import truncates
 from rlhf.config.sharing import ASYNC_STEPS
@@ -53,16 +51,6 @@ def partial_rollout_problems(config: Config) -> list[tuple[str, Any, str]]:
         return out
     ppo = config.ppo
     out += batch_problems(config, PARTIAL, "in the same phase")
-    env = environment_source(config)
-    if env is not None:
-        out.append(
-            (
-                "ppo.asynchronous.min_finished",
-                ppo.asynchronous.min_finished,
-                f"null: {env} plays multi-turn episodes, and partial rollouts of multi-turn "
-                "episodes are not built yet",
-            )
-        )
     if not ppo.rollout.stop_at_eos:
         why = "every answer would run to max_new_tokens, leaving nothing to carry over"
         out.append(("ppo.rollout.stop_at_eos", False, f"true {PARTIAL}: {why}"))

@@ -21,6 +21,7 @@ from rlhf.rl.collector import Collector
 from rlhf.rl.episodes import EpisodeRollouts
 from rlhf.rl.generation import rollout_sampling
 from rlhf.rl.partial import PartialRollouts, PartialSettings, pool_size
+from rlhf.rl.partial_episodes import PartialEpisodes
 from rlhf.rl.ppo_models import Models, build_models, load_tokenizer_pair, max_new_tokens
 from rlhf.rl.remote import RemoteRollouts, Request
 from rlhf.rl.rollouts import HFDecoder, ModuleDecoder, build_rollouts
@@ -186,7 +187,9 @@ def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRoll
         rows = torch.randint(len(prompts), (count,), generator=torch.Generator().manual_seed(seed))
         return [prompts[i]["prompt_ids"] for i in rows.tolist()]
 
-    partial = PartialRollouts(
+    # a multi-turn task's episodes are carried whole, turns, observations and environment state
+    pool = PartialEpisodes if isinstance(rollouts, EpisodeRollouts) else PartialRollouts
+    partial = pool(
         rollouts,
         PartialSettings(
             groups=groups,
