@@ -234,23 +234,36 @@ class PartialRollouts:
         if logprobs_temperature is None or max_new is not None:
             raise ValueError("partial rollouts keep the sampler's log-probs, one budget an answer")
         self._age_pool(group_size)
-        self.pool += [new_group(p, group_size) for p in prompts]
+        self.pool += [self._new_group(p, group_size) for p in prompts]
         missing = self.settings.pool - len(self.pool)
         if missing > 0:
-            self.pool += [new_group(p, group_size) for p in self.refill(missing, self.phase)]
+            refill = self.refill(missing, self.phase)
+            self.pool += [self._new_group(p, group_size) for p in refill]
         self.phase += 1
         self.stats.phases += 1
         self.generated, chunk = 0, 0
         while self._needs_more():
-            # the first chunk draws as the synchronous loop's one call would
-            chunk_seed = seed if seed is None or chunk == 0 else seed * 97 + chunk
+            chunk_seed = None if seed is None else self._chunk_seed(seed, chunk)
             self._decode_chunk(sampling, chunk_seed, logprobs_temperature)
             chunk += 1
         trained = [g for g in self.pool if g.finished][: self.settings.groups]
         self.pool = [g for g in self.pool if all(g is not t for t in trained)]
         self.last_versions = token_versions(trained)
         self.stats.add_trained(self.last_versions, self.version)
-        return trained_rollout(trained, self.pad_id, sampling.prompt_width)
+        return self._trained(trained, sampling)
+
+    # -- what an episode pool (rlhf.rl.partial_episodes) does otherwise
+    pickled = False  # its checkpoint holds plain lists (else whole episodes, pickled)
+
+    def _new_group(self, prompt: Sequence[int], group_size: int) -> Group:
+        return new_group(prompt, group_size)
+
+    def _chunk_seed(self, seed: int, chunk: int) -> int:
+        """The first chunk draws as the synchronous loop's one call would."""
+        return seed if chunk == 0 else seed * 97 + chunk
+
+    def _trained(self, groups: list[Group], sampling: Sampling) -> Rollout:
+        return trained_rollout(groups, self.pad_id, sampling.prompt_width)
 
     def _needs_more(self) -> bool:
         """Whether another chunk is decoded: fewer than ``groups`` groups have finished here
@@ -266,7 +279,7 @@ class PartialRollouts:
             if not too_stale(group, self.version, settings.max_staleness):
                 kept.append(group)
             elif settings.on_stale == "regenerate":
-                kept.append(new_group(group.prompt, group_size))
+                kept.append(self._new_group(group.prompt, group_size))
                 self.stats.regenerated += 1
             else:
                 self.stats.dropped += 1
@@ -349,7 +362,7 @@ class PartialRollouts:
                 "written with ppo.asynchronous.min_finished=null or by another rank count); "
                 "resume with the settings that wrote it or start over with resume=never"
             )
-        self.load_state_dict(torch.load(path, weights_only=True))
+        self.load_state_dict(torch.load(path, weights_only=not self.pickled))
 
 
 def _group_state(group: Group) -> dict:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from rlhf.rl.episodes import EpisodeRollouts, Episodes, _Episode
 from rlhf.rl.generation import Sampling, turn_length
-from rlhf.rl.partial import Group, PartialRollouts, PartialSettings, token_versions, too_stale
-from rlhf.runtime.dist import rank
+from rlhf.rl.partial import Group, PartialRollouts, PartialSettings
 
 TURN_SEED = 104_729  # the synchronous episode loop's seed step from one turn to the next
 
@@ -54,63 +52,34 @@ class PartialEpisodes(PartialRollouts):
         super().__init__(player.decoder, settings, pad_id, refill)
         self.player = player
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        seed: int | None = None,
-        group_size: int = 1,
-        logprobs_temperature: float | None = None,
-        max_new: Sequence[int] | None = None,
-    ) -> Episodes:
-        """See :meth:`PartialRollouts.generate`: whole episodes, with their record."""
-        if logprobs_temperature is None or max_new is not None:
-            raise ValueError("partial rollouts keep the sampler's log-probs, one budget an episode")
+    pickled = True  # environment state is the task's own: the episodes are pickled whole
+
+    def generate(self, *args, **kwargs) -> Episodes:
+        """See :meth:`PartialRollouts.generate`: whole episodes, with their record; the
+        environment's calls are watched (a stop signal ends the episodes in flight)."""
         with self.player.calls.watching():
-            self._age_pool(group_size)
-            self.pool += [self._group(p, group_size) for p in prompts]
-            missing = self.settings.pool - len(self.pool)
-            if missing > 0:
-                self.pool += [self._group(p, group_size) for p in self.refill(missing, self.phase)]
-            self.phase += 1
-            self.stats.phases += 1
-            self.generated, chunk = 0, 0
-            while self._needs_more():
-                chunk_seed = None if seed is None else seed + TURN_SEED * chunk
-                self._decode_chunk(sampling, chunk_seed, logprobs_temperature)
-                chunk += 1
-        trained = [g for g in self.pool if g.finished][: self.settings.groups]
-        self.pool = [g for g in self.pool if all(g is not t for t in trained)]
-        episodes = [c.episode for g in trained for c in g.answers]
-        faults = [e.fault for e in episodes if e.fault is not None]
-        calls = self.player.calls
-        self.player.failed.add(
-            faults, len(episodes), sum(e.called for e in episodes), calls.stopping
-        )
-        self.last_versions = token_versions(trained)
-        self.stats.add_trained(self.last_versions, self.version)
-        return self.player._rollout(episodes, sampling, with_logprobs=True)
+            return super().generate(*args, **kwargs)
 
-    def _group(self, prompt: Sequence[int], group_size: int) -> Group:
+    def _new_group(self, prompt: Sequence[int], group_size: int) -> Group:
         """A new prompt group: its episodes started (the environment reset) now."""
-        start = self.player._start
+        start, budget = self.player._start, self.settings.budget
         return Group(
-            list(prompt),
-            [Carried(start(list(prompt), self.settings.budget)) for _ in range(group_size)],
+            list(prompt), [Carried(start(list(prompt), budget)) for _ in range(group_size)]
         )
 
-    def _age_pool(self, group_size: int) -> None:
-        """Carried groups past max_staleness: played anew from their prompt, or dropped."""
-        settings, kept = self.settings, []
-        for group in self.pool:
-            if not too_stale(group, self.version, settings.max_staleness):
-                kept.append(group)
-            elif settings.on_stale == "regenerate":
-                kept.append(self._group(group.prompt, group_size))
-                self.stats.regenerated += 1
-            else:
-                self.stats.dropped += 1
-        self.pool = kept
+    def _chunk_seed(self, seed: int, chunk: int) -> int:
+        """Chunk c draws from the seed the synchronous episode loop gives turn c."""
+        return seed + TURN_SEED * chunk
+
+    def _trained(self, groups: list[Group], sampling: Sampling) -> Episodes:
+        """The finished groups' episodes, with their record; their environment faults counted
+        towards ppo.rollout.multi_turn.max_failed_rollouts (a collective, as each rollout's)."""
+        player = self.player
+        episodes = [c.episode for g in groups for c in g.answers]
+        faults = [e.fault for e in episodes if e.fault is not None]
+        reached = sum(e.called for e in episodes)
+        player.failed.add(faults, len(episodes), reached, player.calls.stopping)
+        return player._rollout(episodes, sampling, with_logprobs=True)
 
     def _decode_chunk(self, sampling: Sampling, seed: int | None, temperature: float) -> None:
         """One decoding call over every live episode's current turn, each up to chunk_tokens
@@ -180,12 +149,6 @@ class PartialEpisodes(PartialRollouts):
         self.pool = [Group(list(prompt), list(answers)) for prompt, answers in state["pool"]]
         self.stats = type(self.stats)(**state["stats"])
         self.version, self.phase = state["version"], state["phase"]
-
-    def load(self, directory: Path) -> None:
-        path = Path(directory) / f"partial-rank{rank()}.pt"
-        if not path.is_file():
-            super().load(directory)  # its message
-        self.load_state_dict(torch.load(path, weights_only=False))
 
 
 def _ends_turn(turn: list[int], end_id: int, stops: tuple[tuple[int, ...], ...]) -> bool:
