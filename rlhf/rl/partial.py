@@ -13,7 +13,8 @@ staleness bound.
 :class:`PartialRollouts` is a :class:`rlhf.rl.rollouts.Decoder` to the collector: asked for one
 generation batch, it returns ``groups`` finished groups as a Rollout whose log-probs are the
 behaviour ones, token by token, whatever version sampled them; the correction against the
-proximal policy is the update's (ppo.rollout.correction)."""
+proximal policy is the update's (ppo.rollout.correction). On a multi-turn task the pool holds
+whole episodes instead (rlhf.rl.partial_episodes)."""
 
 from __future__ import annotations
 
