@@ -388,19 +388,20 @@ def sweep(tmp_path: Path, name: str, overrides: list[str], cache_dir: Path) -> P
 
 @pytest.mark.slow
 def test_a_sweep_moves_offload_and_lora_rank_in_every_ppo_job(tmp_path, cache_dir):
-    """4 jobs of step=all (tiny: 2 steps each), then 4 of step=ppo from the first one's exports;
-    each job's PPO engines have its offload and LoRA rank (before: the same in every job)."""
-    axes = ["zero.offload=false,true", "lora.rank=4,8"]
-    pipelines = sweep(tmp_path, "all", ["step=all", *axes], cache_dir)
-    first = job_dirs(pipelines)[("false", "4")]
+    """2 jobs of step=all (tiny: 2 steps each; the offload moves, LoRA rank 8 in both), then 4
+    of step=ppo from the first one's exports over both axes; each job's PPO engines have its
+    offload and LoRA rank (before: the same in every job)."""
+    offloads, ranks = "zero.offload=false,true", "lora.rank=4,8"
+    pipelines = sweep(tmp_path, "all", ["step=all", offloads, "lora.rank=8"], cache_dir)
+    first = job_dirs(pipelines)[("false", "8")]
     exports = [
         path_override("actor.model.path", first / "sft" / "model"),
         path_override("critic.model.path", first / "reward" / "model"),
     ]
-    ppo = sweep(tmp_path, "ppo", ["step=ppo", *axes, *exports], cache_dir)
-    for sweep_dir in (pipelines, ppo):
+    ppo = sweep(tmp_path, "ppo", ["step=ppo", offloads, ranks, *exports], cache_dir)
+    for sweep_dir, want_ranks in ((pipelines, ("8",)), (ppo, ("4", "8"))):
         jobs = job_dirs(sweep_dir)
-        assert set(jobs) == {(o, r) for o in ("false", "true") for r in ("4", "8")}
+        assert set(jobs) == {(o, r) for o in ("false", "true") for r in want_ranks}
         for (offload, rank), job in jobs.items():
             want = (2, "cpu" if offload == "true" else "none", int(rank))
             assert engines(job) == {"actor": want, "critic": want}, job
