@@ -121,7 +121,9 @@ def test_the_published_recipe_runs_its_three_steps(tmp_path, cache_dir):
         _model("opt-350m", tmp_path / "opt-350m"),
     )
     common = [RECIPE, *SHORT, *QUICK, *data, *cache_overrides(cache_dir)]
-    env = {"OMP_NUM_THREADS": "2"}
+    # one thread, as the other end-to-end tests: under pytest-xdist another worker's test shares
+    # the cores, and two OpenMP threads a process beside it crawl
+    env = {"OMP_NUM_THREADS": "1"}
 
     def run(step: str, *overrides: str) -> Path:
         run_rlhf(

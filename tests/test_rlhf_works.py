@@ -23,6 +23,9 @@ REDUCED = [
 ]
 # measured at this size: greedy gold 0.00 -> 0.86, sampled 0.12 -> 0.69
 MARGIN = 0.4
+# one thread, as the other end-to-end tests: under pytest-xdist another worker's test shares the
+# cores, and two OpenMP threads a process beside it crawl
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MANY_UPDATES = [
     "ppo.update.epochs=4",
     "ppo.rollout.batches=2",
@@ -35,6 +38,7 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
         [*REDUCED, *cache_overrides(cache_dir)],
         run_dir=tmp_path,
         timeout=1500,  # three steps: about 2 minutes on 2 quiet cores
+        extra_env=ONE_THREAD,
     )
     assert read_summary(tmp_path / "reward")["eval/accuracy"] >= 0.8  # measured: 0.90
     check_ppo_learned(tmp_path / "ppo")
@@ -56,6 +60,7 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
         ],
         run_dir=many_updates,
         timeout=1500,
+        extra_env=ONE_THREAD,
     )
     check_ppo_learned(many_updates, margin=0.2, correct_drop=0.08)
 
