@@ -266,7 +266,9 @@ def test_logprob_gap_is_the_mean_and_max_absolute_difference_over_answer_tokens(
     metrics = gap.metrics()
     assert metrics["ppo/logprob_diff_mean"] == pytest.approx((0.1 + 0.3) / 5)
     assert metrics["ppo/logprob_diff_max"] == pytest.approx(0.3)
-    assert gap.metrics()["ppo/logprob_diff_mean"] == 0.0  # starts over
+    assert gap.metrics() == {}  # starts over; nothing measured, nothing logged
+    gap.add(sampled, trained, torch.zeros_like(mask))  # every token older than the weights
+    assert gap.metrics() == {}
 
 
 # ---------------------------------------------------------------- 1. hybrid engine switching

@@ -197,7 +197,8 @@ def test_partial_rollouts_on_vllm_carry_groups_and_resume_with_them_in_flight(
     assert len(rows) == 4
     assert all(r["rollout/carried_groups"] == 4 for r in rows)  # 8 in flight, 4 train
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
-    assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)
+    gaps = [r["ppo/logprob_diff_max"] for r in rows if "ppo/logprob_diff_max" in r]
+    assert gaps and max(gaps) < 1e-4  # logged where a phase trained fresh tokens
     assert all("ppo/tis_weight_mean" in r for r in rows)  # the correction of the carried tokens
     killed = run_rlhf(
         [*overrides, "debug.kill_at_step=3"], resumed, extra_env=ONE_THREAD, check=False
@@ -241,6 +242,8 @@ def test_a_rollout_rank_decodes_on_its_own_engine_one_version_ahead(sft, cache_d
     )
     rows = _training_rows(ahead)
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    # no token of the weights that train it after the first: no gap measured, none logged
+    assert ["ppo/logprob_diff_max" in r for r in rows] == [True, False, False]
     assert all("ppo/tis_weight_mean" in r for r in rows)
     console = proc.stdout + proc.stderr
     assert "rollout rank 1: decoding for trainers [0] on vllm" in console

@@ -49,14 +49,15 @@ class LogprobGap:
 
     def metrics(self) -> dict[str, float]:
         """Collective: ppo/logprob_diff_mean (per answer token) and ppo/logprob_diff_max over
-        every rank's tokens; then starts over."""
+        every rank's tokens, none where no rank measured a token (every trained token older
+        than the weights, as under rollouts ahead: a 0 would read as no gap); then starts
+        over."""
         total, tokens = all_reduce_sum(self.total, self.tokens)
-        out = {
-            "ppo/logprob_diff_mean": total / max(tokens, 1.0),
-            "ppo/logprob_diff_max": max_over_ranks(self.largest),
-        }
+        largest = max_over_ranks(self.largest)
         self.total = self.tokens = self.largest = 0.0
-        return out
+        if tokens == 0:
+            return {}
+        return {"ppo/logprob_diff_mean": total / tokens, "ppo/logprob_diff_max": largest}
 
 
 @torch.no_grad()
