@@ -43,6 +43,10 @@ FAST = [
     "logger.progress_bar=false",
 ]
 
+# the environment of an end-to-end run: one OpenMP thread a process, as torchrun gives each rank.
+# pytest-xdist's other worker shares the cores, and two threads a process beside its test crawl
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked vllm skip where vLLM is not installed, except where RLHF_REQUIRE_VLLM=1 (CI's

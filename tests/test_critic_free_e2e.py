@@ -7,11 +7,10 @@ import math
 
 import pytest
 
-from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 # the answer's length as the reward: groups have a spread even from a barely trained model
 REWARD = "ppo.reward.function=tests.test_critic_free:answer_length"
 

@@ -23,6 +23,7 @@ from rlhf.steps.all import compose_steps, exports
 from tests.conftest import (
     CONF_DIR,
     FAST,
+    ONE_THREAD,
     cache_overrides,
     compose,
     read_metrics,
@@ -210,7 +211,6 @@ def test_step_dpo_needs_the_sft_export_and_refuses_a_reward_model(tmp_path):
 
 # ------------------------------------------------------------------------- runs (slow)
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 SMALL = [*FAST, "ppo.eval.prompts=16", "ppo.rollout.max_new_tokens=16"]
 
 

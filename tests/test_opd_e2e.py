@@ -13,11 +13,10 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 REWARD = "ppo.reward.function=tests.test_critic_free:answer_length"
 BATCH = 4  # prompts per iteration on one rank (ppo.rollout.per_device_batch_size)
 

@@ -12,11 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 SMALL = [
     *FAST,
     "reward.gold_eval_prompts=8",

@@ -16,10 +16,17 @@ from transformers import OPTConfig, OPTForCausalLM
 from rlhf.checks.validate import validated
 from rlhf.config import ActorConfig, ConfigError, CriticConfig, LoraConfig, register_configs
 from rlhf.modeling.peft_lora import AdaptersOff, apply_lora, reference_is_base
-from tests.conftest import FAST, cache_overrides, compose, read_metrics, read_summary, run_rlhf
+from tests.conftest import (
+    FAST,
+    ONE_THREAD,
+    cache_overrides,
+    compose,
+    read_metrics,
+    read_summary,
+    run_rlhf,
+)
 
 register_configs()
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 class Engine:

@@ -20,7 +20,14 @@ from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 from rlhf import tasks
 from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import TINY_VOCAB_SIZE
-from tests.conftest import CONF_DIR, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import (
+    CONF_DIR,
+    ONE_THREAD,
+    cache_overrides,
+    read_metrics,
+    read_summary,
+    run_rlhf,
+)
 
 RECIPE = "experiment=opt-1.3b-350m"
 SHAPES = {  # facebook/opt-125m and facebook/opt-350m's config.json, random weights
@@ -121,15 +128,12 @@ def test_the_published_recipe_runs_its_three_steps(tmp_path, cache_dir):
         _model("opt-350m", tmp_path / "opt-350m"),
     )
     common = [RECIPE, *SHORT, *QUICK, *data, *cache_overrides(cache_dir)]
-    # one thread, as the other end-to-end tests: under pytest-xdist another worker's test shares
-    # the cores, and two OpenMP threads a process beside it crawl
-    env = {"OMP_NUM_THREADS": "1"}
 
     def run(step: str, *overrides: str) -> Path:
         run_rlhf(
             [*common, f"step={step}", *overrides],
             run_dir=tmp_path / step,
-            extra_env=env,
+            extra_env=ONE_THREAD,
             timeout=1200,
         )
         return tmp_path / step

@@ -29,9 +29,16 @@ from safetensors.torch import load_file
 
 from rlhf.runtime.engine import skippable
 from rlhf.steps.loop import NonFiniteGuard, TrainingStopped
-from tests.conftest import FAST, REPO, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import (
+    FAST,
+    ONE_THREAD,
+    REPO,
+    cache_overrides,
+    read_metrics,
+    read_summary,
+    run_rlhf,
+)
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 KILLED = -signal.SIGKILL  # subprocess's return code for a process that died of SIGKILL
 
 

@@ -10,7 +10,7 @@ SFT left it)."""
 
 import pytest
 
-from tests.conftest import cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +23,6 @@ REDUCED = [
 ]
 # measured at this size: greedy gold 0.00 -> 0.86, sampled 0.12 -> 0.69
 MARGIN = 0.4
-# one thread, as the other end-to-end tests: under pytest-xdist another worker's test shares the
-# cores, and two OpenMP threads a process beside it crawl
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MANY_UPDATES = [
     "ppo.update.epochs=4",
     "ppo.rollout.batches=2",

@@ -15,11 +15,9 @@ from rlhf.data.collate import count_targets, sft_batch
 from rlhf.data.prepare import phase_dataset
 from rlhf.modeling.loading import end_of_text_id
 from rlhf.rl.generation import Sampling, decode_responses, generate
-from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # oversubscribed OpenMP threads crawl on shared CPUs
 
 
 def _run_config(run_dir) -> Config:

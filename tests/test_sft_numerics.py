@@ -4,7 +4,7 @@ the loss is normalised by the global token count, so 10 steps give the same trai
 
 import pytest
 
-from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,6 @@ COMMON = [
     "sft.gold_eval_prompts=0",  # generation does not touch the training numbers
     "model.dtype=fp32",
 ]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # torchrun sets this per rank; match it (shared CPUs)
 
 
 def _losses(run_dir) -> list[float]:

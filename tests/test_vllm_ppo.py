@@ -9,12 +9,11 @@ import signal
 
 import pytest
 
-from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
 from tests.test_vllm_memory import assert_released_for_every_update, decoder_calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # vLLM's CPU attention takes head sizes of 32 and up: FAST's 64-wide model has 16
 SHAPE = {"model.init.hidden_size": "128", "model.init.word_embed_proj_dim": "128"}
 SMALL = [o for o in FAST if o.split("=", 1)[0] not in SHAPE] + [
