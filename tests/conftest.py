@@ -29,6 +29,13 @@ SWEEPS_DIR = REPO / "sweeps"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread a process, in every run a test starts (torchrun gives each rank one) and in
+# the tests themselves (set_num_threads: torch read the variable when it was imported above):
+# pytest-xdist's workers share the cores, and a run at two threads beside another worker's test
+# crawls (test_rlhf_works took 415 s in CI at two threads, 196 s at one). Set it to override.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # A smaller model and data than the embedded default: enough to exercise every code path in
 # seconds. Tests that measure learning use the default sizes.
@@ -42,10 +49,6 @@ FAST = [
     "sft.gold_eval_prompts=16",
     "logger.progress_bar=false",
 ]
-
-# the environment of an end-to-end run: one OpenMP thread a process, as torchrun gives each rank.
-# pytest-xdist's other worker shares the cores, and two threads a process beside its test crawl
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -234,8 +237,8 @@ def run_rlhf(
 
 
 def run_sweep(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python -m rlhf -m ARGS`` on one thread a job, Hydra's short errors."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    """``python -m rlhf -m ARGS``, Hydra's short errors."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
     return subprocess.run(
         [sys.executable, "-m", "rlhf", "-m", *args],
         cwd=REPO,

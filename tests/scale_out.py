@@ -46,7 +46,7 @@ DOC = REPO / "docs" / "scale_out.md"
 
 # every test's run: the small model, 4 logged steps, one thread a rank
 SMALL = [*FAST, "step.max_steps=4", "step.log_interval=1", "step.eval_at_start=false"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+RUN_ENV = {"PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
 
 
 def command(name: str, **values: str) -> list[str]:
@@ -65,7 +65,7 @@ def command(name: str, **values: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, **ONE_THREAD}
+    return {**os.environ, **RUN_ENV}
 
 
 def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -98,7 +98,7 @@ def one_node_reference(tmp_path_factory, cache_dir: Path) -> Path:
         ["step=sft", "zero=stage3", *SMALL, *cache_overrides(cache_dir)],
         run_dir,
         nproc=2,
-        extra_env=ONE_THREAD,
+        extra_env=RUN_ENV,
     )
     return run_dir
 

@@ -32,7 +32,7 @@ from rlhf.modeling import loading
 from tests.conftest import FAST, cache_overrides, run_rlhf
 
 register_configs()  # the schema, for the tests that compose in-process
-NO_TRACE = {"HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
 LOCAL_FAST = [o for o in FAST if not o.startswith("data.sources.toy")]
 OUTPUTS = ("model", "actor", "critic", "checkpoints", "metrics.jsonl", "summary.json", "sft")
 
@@ -423,7 +423,7 @@ def test_api_keys_never_reach_the_run_dir(tmp_path, cache_dir):
             *cache_overrides(cache_dir),
         ],
         run_dir=run_dir,
-        extra_env={**secrets, "OMP_NUM_THREADS": "1"},
+        extra_env=secrets,
         timeout=300,
     )
     files = [p for p in run_dir.rglob("*") if p.is_file()]

@@ -381,7 +381,6 @@ def sweep(tmp_path: Path, name: str, overrides: list[str], cache_dir: Path) -> P
     run_rlhf(
         ["-m", *TINY_RUN, *overrides, *cache_overrides(cache_dir), f"hydra.sweep.dir={sweep_dir}"],
         timeout=1200,
-        extra_env={"OMP_NUM_THREADS": "1"},
     )
     return sweep_dir
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ REWARD = "ppo.reward.function=tests.test_critic_free:answer_length"
 def sft(cache_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("critic-free-sft")
     overrides = ["step=sft", *FAST, "step.max_steps=60", "optim.epochs=8"]
-    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir)
     return run_dir / "model"
 
 
@@ -86,7 +86,7 @@ def test_each_estimator_runs_and_builds_no_critic(name, sft, cache_dir, tmp_path
     estimator = name.split("/")[0]
     run_dir = tmp_path / name.replace("/", "-")
     overrides = _rl(sft, cache_dir, *ESTIMATORS[name], "step.max_steps=2")
-    proc = run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    proc = run_rlhf(overrides, run_dir=run_dir)
     rows = [r for r in read_metrics(run_dir) if "ppo/actor_loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -116,7 +116,7 @@ def test_critic_warmup_moves_only_the_critic_first(sft, cache_dir, tmp_path):
         "ppo.update.critic_warmup_steps=2",
         "step.max_steps=3",
     )
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     rows = [r for r in read_metrics(run_dir) if "ppo/actor_loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["ppo/entropy"] == 0.0 for r in rows] == [True, True, False]  # no actor pass
@@ -155,14 +155,12 @@ def test_grpo_zero3_two_ranks_matches_zero0_one_process(sft, cache_dir, tmp_path
     run_rlhf(
         [*zero0, "ppo.update.per_device_batch_size=16"],
         run_dir=tmp_path / "zero0",
-        extra_env=ONE_THREAD,
     )
     zero3 = [*base, "zero=stage3", "actor.zero.stage3_param_persistence_threshold=0"]
     run_rlhf(
         [*zero3, "ppo.update.per_device_batch_size=8"],
         run_dir=tmp_path / "zero3",
         nproc=2,
-        extra_env=ONE_THREAD,
     )
     zero0, zero3 = _parity_rows(tmp_path / "zero0"), _parity_rows(tmp_path / "zero3")
     assert zero0["ppo/actor_loss"][0] != 0 and zero0["ppo/kl_loss"][-1] > 0  # real numbers

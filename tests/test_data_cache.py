@@ -403,7 +403,6 @@ def test_two_ranks_read_one_entry_of_a_saved_dataset(tmp_path):
         run_dir=tmp_path / "run",
         nproc=2,
         timeout=600,
-        extra_env={"OMP_NUM_THREADS": "1"},
     )
     assert read_summary(tmp_path / "run")["train/steps"] == 2
     assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*")) == before

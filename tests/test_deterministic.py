@@ -22,7 +22,7 @@ from tests.conftest import FAST, cache_overrides, compose, read_metrics, run_rlh
 
 register_configs()  # the schema, for the tests that compose in-process
 
-NO_TRACE = {"HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
 ENV_NAMES = ("CUBLAS_WORKSPACE_CONFIG", "FLASH_ATTENTION_DETERMINISTIC", "VLLM_BATCH_INVARIANT")
 ENV_TASK = ["step=all", "data=toy_tools", "deterministic=true"]  # an environment task
 TIMEOUT = "ppo.rollout.multi_turn.env_timeout_s"
@@ -182,7 +182,7 @@ def _three_runs(tmp_path: Path, cache_dir: Path, *overrides: str) -> None:
     runs = []
     for name, seed in (("first", 1), ("again", 1), ("other", 2)):
         command = [*TINY_ALL, *overrides, f"seed={seed}", *cache_overrides(cache_dir)]
-        run_rlhf(command, tmp_path / name, extra_env={"OMP_NUM_THREADS": "1"})
+        run_rlhf(command, tmp_path / name)
         runs.append(_rows(tmp_path / name))
     first, again, other = runs
     for step in STEPS:

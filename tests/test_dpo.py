@@ -23,7 +23,6 @@ from rlhf.steps.all import compose_steps, exports
 from tests.conftest import (
     CONF_DIR,
     FAST,
-    ONE_THREAD,
     cache_overrides,
     compose,
     read_metrics,
@@ -226,7 +225,7 @@ def pipeline(cache_dir, tmp_path_factory):
         "dpo.beta=0.5",  # 5x the default's step on the implicit rewards: clear in 30 steps
         *cache_overrides(cache_dir),
     ]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     return run_dir
 
 
@@ -296,7 +295,7 @@ def _losses(run_dir) -> list[float]:
 def zero0(pipeline, cache_dir, tmp_path_factory):
     """One process, ZeRO-0, the whole global batch (16 pairs) in one micro batch."""
     run_dir = tmp_path_factory.mktemp("dpo-zero0")
-    run_rlhf([*_dpo(pipeline, cache_dir), "zero=stage0"], run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf([*_dpo(pipeline, cache_dir), "zero=stage0"], run_dir=run_dir)
     return run_dir
 
 
@@ -314,7 +313,7 @@ def test_zero3_two_ranks_with_lora_matches_zero0_one_process(zero0, pipeline, ca
         "optim.micro_batch_size=4",
         "optim.grad_accum=2",
     ]
-    run_rlhf(overrides, run_dir=tmp_path / "zero3", nproc=2, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=tmp_path / "zero3", nproc=2)
     assert _losses(tmp_path / "zero3") == pytest.approx(reference, rel=1e-4)
     zero3 = read_summary(tmp_path / "zero3")
     assert zero3["eval/loss"] == pytest.approx(read_summary(zero0)["eval/loss"], rel=1e-4)
@@ -326,11 +325,9 @@ def test_a_killed_dpo_run_resumes_to_the_uninterrupted_numbers(
 ):
     run_dir = tmp_path / "run"
     overrides = [*_dpo(pipeline, cache_dir), "zero=stage0"]
-    killed = run_rlhf(
-        [*overrides, "debug.kill_at_step=4"], run_dir=run_dir, check=False, extra_env=ONE_THREAD
-    )
+    killed = run_rlhf([*overrides, "debug.kill_at_step=4"], run_dir=run_dir, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)  # resumes from step 3
+    run_rlhf(overrides, run_dir=run_dir)  # resumes from step 3
 
     def comparable(path):
         return [

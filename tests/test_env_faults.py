@@ -439,7 +439,7 @@ def _ppo_command(actor, cache, run_dir, *overrides: str) -> list[str]:
 
 
 def _env(**values: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **values}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **values}
 
 
 @pytest.mark.slow

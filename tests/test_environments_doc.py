@@ -254,7 +254,7 @@ def test_step_all_trains_on_the_doc_env_with_multi_turn_episodes(env_dir, cache_
         *cache_overrides(cache_dir),
     ]
     path = os.pathsep.join(p for p in (str(env_dir), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": path}
     run_rlhf(overrides, run_dir=run_dir, extra_env=env, timeout=300)
 
     rows = [r for r in read_metrics(run_dir / "ppo") if "rollout/turns" in r]

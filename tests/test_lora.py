@@ -174,7 +174,6 @@ def test_merged_lora_export(cache_dir, tmp_path):
             "sft.gold_eval_prompts=0",
         ],
         run_dir=run_dir,
-        extra_env={"OMP_NUM_THREADS": "1"},
     )
     model_dir = run_dir / "model"
     exported = load_file(model_dir / "model.safetensors")

@@ -31,7 +31,7 @@ from rlhf.steps.all import compose_steps, pipeline
 from tests.conftest import CONF_DIR, FAST, cache_overrides, compose, run_rlhf
 
 register_configs()  # the schema, for the tests that compose in-process
-NO_TRACE = {"HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+NO_TRACE = {"HYDRA_FULL_ERROR": "0"}
 OUTPUTS = ("actor", "critic", "checkpoints", "metrics.jsonl", "summary.json", "sft", "ppo")
 OPD = ["step=ppo", "algo=opd"]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ BATCH = 4  # prompts per iteration on one rank (ppo.rollout.per_device_batch_siz
 
 def _sft(cache_dir, run_dir, steps: int, *overrides):
     cmd = ["step=sft", *FAST, f"step.max_steps={steps}", "optim.epochs=8", *overrides]
-    run_rlhf([*cmd, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf([*cmd, *cache_overrides(cache_dir)], run_dir=run_dir)
     return run_dir / "model"
 
 
@@ -68,9 +68,7 @@ def _train_rows(run_dir) -> list[dict]:
 def test_opd_logs_the_gap_and_the_generated_tokens(loss, student, teacher, cache_dir, tmp_path):
     run_dir = tmp_path / loss
     overrides = [f"opd.loss={loss}", "opd.topk=8", "step.max_steps=3", "step.eval_interval=2"]
-    proc = run_rlhf(
-        _opd(student, teacher, cache_dir, *overrides), run_dir=run_dir, extra_env=ONE_THREAD
-    )
+    proc = run_rlhf(_opd(student, teacher, cache_dir, *overrides), run_dir=run_dir)
     metrics = read_metrics(run_dir)
     rows = _train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -119,7 +117,7 @@ def test_opd_logs_the_gap_and_the_generated_tokens(loss, student, teacher, cache
 def test_teacher_that_is_the_student_has_no_gap_and_is_warned_about(student, cache_dir, tmp_path):
     run_dir = tmp_path / "identity"
     overrides = _opd(student, student, cache_dir, "step.max_steps=1", "step.save_model=false")
-    proc = run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    proc = run_rlhf(overrides, run_dir=run_dir)
     [row] = _train_rows(run_dir)
     assert row["ppo/teacher_kl"] == pytest.approx(0.0, abs=1e-6)
     assert row["ppo/advantage_mean"] == pytest.approx(0.0, abs=1e-6)
@@ -163,14 +161,14 @@ def test_opd_zero3_two_ranks_matches_zero0_one_process(student, teacher, cache_d
     partitioned over both ranks."""
     base = _opd(student, teacher, cache_dir, *PARITY)
     zero0 = [*base, "zero=stage0", "ppo.rollout.batches=2", "ppo.update.per_device_batch_size=8"]
-    run_rlhf(zero0, run_dir=tmp_path / "zero0", extra_env=ONE_THREAD)
+    run_rlhf(zero0, run_dir=tmp_path / "zero0")
     zero3 = [
         *base,
         "zero=stage3",
         "actor.zero.stage3_param_persistence_threshold=0",
         "teacher.zero.stage=3",
     ]
-    proc = run_rlhf(zero3, run_dir=tmp_path / "zero3", nproc=2, extra_env=ONE_THREAD)
+    proc = run_rlhf(zero3, run_dir=tmp_path / "zero3", nproc=2)
     said = _said(proc, tmp_path / "zero3")
     assert f"teacher: {teacher} (fp32, ZeRO-3)" in said
     assert "actor ZeRO-3, 2 rank(s)" in said
@@ -199,7 +197,7 @@ def test_task_reward_joins_the_teacher_advantages(student, teacher, cache_dir, t
             "step.eval_at_start=false",
             "step.save_model=false",
         )
-        proc = run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+        proc = run_rlhf(overrides, run_dir=run_dir)
         rows[task], said[task] = _train_rows(run_dir), _said(proc, run_dir)
         assert [r["step"] for r in rows[task]] == [1, 2]
     joined, alone = rows["true"][0], rows["false"][0]
@@ -227,7 +225,7 @@ def test_step_all_runs_sft_then_opd_without_a_reward_step(teacher, cache_dir, tm
         "ppo.eval.prompts=4",
         *cache_overrides(cache_dir),
     ]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     assert (run_dir / "sft" / "model" / "model.safetensors").is_file()
     assert (run_dir / "ppo" / "actor" / "model.safetensors").is_file()
     assert not (run_dir / "reward").exists()
@@ -247,7 +245,7 @@ def test_step_all_runs_sft_then_opd_without_a_reward_step(teacher, cache_dir, tm
 def test_lora_student_learns_from_the_teacher(student, teacher, cache_dir, tmp_path):
     run_dir = tmp_path / "lora"
     overrides = _opd(student, teacher, cache_dir, "lora=r8", "step.max_steps=2")
-    proc = run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    proc = run_rlhf(overrides, run_dir=run_dir)
     rows = _train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["ppo/teacher_kl"]) and r["ppo/teacher_kl"] != 0 for r in rows)
@@ -273,16 +271,14 @@ def test_generated_tokens_survive_a_resume(student, teacher, cache_dir, tmp_path
         "step.eval_at_start=false",
         "step.save_model=false",
     )
-    proc = run_rlhf(
-        [*overrides, "debug.kill_at_step=3"], run_dir=run_dir, extra_env=ONE_THREAD, check=False
-    )
+    proc = run_rlhf([*overrides, "debug.kill_at_step=3"], run_dir=run_dir, check=False)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
     killed = {r["step"]: r["perf/generated_tokens"] for r in _train_rows(run_dir)}
     assert sorted(killed) == [1, 2, 3]
     checkpoint = run_dir / "checkpoints" / "step-00000002" / "trainer.pt"
     saved = torch.load(checkpoint, weights_only=False)["state"]["tokens_seen"]
     assert saved == killed[2] > killed[1] > 0
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     rows = _train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["perf/generated_tokens"] for r in rows[:2]] == [killed[1], killed[2]]

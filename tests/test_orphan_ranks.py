@@ -28,7 +28,7 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path, cache_dir):
         ),
         f"hydra.run.dir={run_dir}",
     ]
-    env = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
     launcher = subprocess.Popen(
         command,
         cwd=REPO,

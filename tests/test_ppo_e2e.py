@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def pipeline(cache_dir, tmp_path_factory):
         "optim.epochs=13",  # SFT and reward: 12.5 and 50 steps per epoch on FAST data: >= 150
         *cache_overrides(cache_dir),
     ]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     return run_dir
 
 
@@ -94,7 +94,7 @@ def test_ppo_run_logs_contract_metrics_and_exports_reloadable_models(pipeline, c
         "step.max_steps=3",
         "step.log_interval=1",
     ]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
 
     train = _rows(run_dir, "ppo/reward")
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -184,14 +184,13 @@ def test_each_iteration_is_split_into_its_parts(pipeline, cache_dir, tmp_path):
     run_rlhf(
         [*_ppo(pipeline, cache_dir), "algo=remax", "step.max_steps=2", "step.log_interval=1"],
         run_dir=tmp_path,
-        extra_env=ONE_THREAD,
     )
     check_split(_rows(tmp_path, "perf/s_per_iter"))
 
 
 def test_multi_epoch_ppo_measures_approx_kl_and_stops_at_target_kl(pipeline, cache_dir, tmp_path):
     base = [*_ppo(pipeline, cache_dir), *MULTI_EPOCH]
-    run_rlhf(base, run_dir=tmp_path / "epochs", extra_env=ONE_THREAD)
+    run_rlhf(base, run_dir=tmp_path / "epochs")
     rows = _rows(tmp_path / "epochs", "ppo/approx_kl")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -200,7 +199,7 @@ def test_multi_epoch_ppo_measures_approx_kl_and_stops_at_target_kl(pipeline, cac
         assert 0 <= row["ppo/clipfrac"] <= 1
         assert math.isfinite(row["ppo/actor_loss"]) and math.isfinite(row["ppo/critic_loss"])
 
-    run_rlhf([*base, "ppo.update.target_kl=1e-9"], run_dir=tmp_path / "early", extra_env=ONE_THREAD)
+    run_rlhf([*base, "ppo.update.target_kl=1e-9"], run_dir=tmp_path / "early")
     rows = _rows(tmp_path / "early", "ppo/approx_kl")
     assert [r["ppo/epochs_run"] for r in rows] == [1, 1]
 
@@ -235,7 +234,6 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
             "ppo.update.per_device_batch_size=8",
         ],
         run_dir=tmp_path / "zero0",
-        extra_env=ONE_THREAD,
     )
     run_rlhf(
         [
@@ -248,7 +246,6 @@ def test_zero3_two_ranks_matches_zero0_one_process(pipeline, cache_dir, tmp_path
         ],
         run_dir=tmp_path / "zero3",
         nproc=2,
-        extra_env=ONE_THREAD,
     )
     lines = (tmp_path / "zero3" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(set(lines))  # rank 0 logs alone
@@ -284,7 +281,7 @@ def test_grpo_with_the_on_policy_shortcut_matches_the_scoring_forward(
     for shortcut in ("true", "false"):
         run_dir = tmp_path / shortcut
         overrides = [*base, f"ppo.update.on_policy_shortcut={shortcut}"]
-        run_rlhf(overrides, run_dir=run_dir, nproc=2, extra_env=ONE_THREAD)
+        run_rlhf(overrides, run_dir=run_dir, nproc=2)
         rows = _rows(run_dir, "ppo/reward")
         assert [r["step"] for r in rows] == [1, 2, 3]
         runs[shortcut] = {key: [r[key] for r in rows] for key in SHORTCUT_KEYS}
@@ -311,7 +308,7 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
         "step.eval_interval=2",
         *cache_overrides(cache_dir),
     ]
-    run_rlhf(overrides, run_dir=tmp_path / "gold", extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=tmp_path / "gold")
     kls = [r[k] for r in read_metrics(tmp_path / "gold") for k in ("ppo/kl", "eval/kl") if k in r]
     assert len(kls) >= 4 and max(kls) > 0
     assert min(kls) >= -1e-6  # an exact KL, where a sampled k1 estimate goes below 0
@@ -327,9 +324,7 @@ def test_a_rule_based_reward_replaces_the_reward_model(pipeline, cache_dir, tmp_
 def test_step_all_with_a_rule_based_reward_trains_no_reward_model(cache_dir, tmp_path):
     run_dir = tmp_path / "all"
     overrides = ["step=all", *SMALL, "ppo.reward.function=toy_gold", "step.max_steps=2"]
-    proc = run_rlhf(
-        [*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD
-    )
+    proc = run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir)
     assert not (run_dir / "reward").exists()
     assert (run_dir / "ppo" / "critic" / "config.json").is_file()  # a value head on the SFT export
     assert {key.split("/")[0] for key in read_summary(run_dir)} == {"sft", "ppo"}
@@ -344,7 +339,7 @@ def test_ppo_without_actor_path_exits_2_naming_the_key(pipeline, cache_dir, tmp_
         f"critic.model.path={pipeline / 'reward' / 'model'}",
         *cache_overrides(cache_dir),
     ]
-    proc = run_rlhf(overrides, run_dir=tmp_path / "run", check=False, extra_env=ONE_THREAD)
+    proc = run_rlhf(overrides, run_dir=tmp_path / "run", check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "actor.model.path" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -352,7 +347,7 @@ def test_ppo_without_actor_path_exits_2_naming_the_key(pipeline, cache_dir, tmp_
 
 def test_hybrid_engine_on_cpu_fails_naming_the_key(pipeline, cache_dir, tmp_path):
     overrides = [*_ppo(pipeline, cache_dir), "actor.hybrid_engine=true", "device=cpu"]
-    proc = run_rlhf(overrides, run_dir=tmp_path / "run", check=False, extra_env=ONE_THREAD)
+    proc = run_rlhf(overrides, run_dir=tmp_path / "run", check=False)
     assert proc.returncode != 0
     assert "actor.hybrid_engine" in proc.stderr
     assert not (tmp_path / "run" / "actor").exists()

@@ -168,7 +168,7 @@ def test_a_zero3_update_on_two_ranks_is_the_same_for_every_estimator_and_layout(
     """ZeRO-3, every parameter partitioned, 2 ranks whose rollouts differ in length: one PPO
     update (two optimizer steps) from the same weights, fixed rows against micro batches by
     tokens, dealt by tokens, and both, for every estimator: the same weights and stats."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     worker = REPO / "tests" / "ppo_update_worker.py"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     proc = subprocess.run(

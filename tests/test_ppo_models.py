@@ -18,7 +18,6 @@ from rlhf.config import ActorConfig, ConfigError, CriticConfig, LoraConfig, regi
 from rlhf.modeling.peft_lora import AdaptersOff, apply_lora, reference_is_base
 from tests.conftest import (
     FAST,
-    ONE_THREAD,
     cache_overrides,
     compose,
     read_metrics,
@@ -125,7 +124,7 @@ def exports(tmp_path_factory, cache_dir) -> dict[str, Path]:
     for step in ("sft", "reward"):  # the reward model from the random init, as step=reward does
         run = tmp_path_factory.mktemp(step)
         overrides = [f"step={step}", *TINY, "step.max_steps=8", *cache_overrides(cache_dir)]
-        run_rlhf(overrides, run_dir=run, extra_env=ONE_THREAD)
+        run_rlhf(overrides, run_dir=run)
         out[step] = run / "model"
     return out
 
@@ -136,7 +135,6 @@ def _ppo(run_dir: Path, exports, cache_dir, *overrides: str, nproc: int = 1) -> 
         ["step=ppo", *TINY, *paths, *overrides, *cache_overrides(cache_dir)],
         run_dir=run_dir,
         nproc=nproc,
-        extra_env=ONE_THREAD,
     )
     return read_summary(run_dir)
 
@@ -188,7 +186,7 @@ def test_the_adapters_off_reference_trains_as_the_copy_did(step, exports, tmp_pa
             _ppo(run_dir, exports, cache_dir, *common, *extra)
         else:
             overrides = ["step=dpo", *TINY, f"model.path={exports['sft']}", *common, *extra]
-            run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir, extra_env=ONE_THREAD)
+            run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir)
         rows = [r for r in read_metrics(run_dir) if f"{step}/loss" in r or "ppo/kl" in r]
         assert rows, name
         return rows

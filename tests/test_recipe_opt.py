@@ -22,7 +22,6 @@ from rlhf.assets import TINY_TOKENIZER_DIR
 from rlhf.config import TINY_VOCAB_SIZE
 from tests.conftest import (
     CONF_DIR,
-    ONE_THREAD,
     cache_overrides,
     read_metrics,
     read_summary,
@@ -133,7 +132,6 @@ def test_the_published_recipe_runs_its_three_steps(tmp_path, cache_dir):
         run_rlhf(
             [*common, f"step={step}", *overrides],
             run_dir=tmp_path / step,
-            extra_env=ONE_THREAD,
             timeout=1200,
         )
         return tmp_path / step

@@ -120,7 +120,7 @@ def test_a_short_step_all_ends_with_its_report(tmp_path, cache_dir):
         "step.max_steps=2",
         *cache_overrides(cache_dir),
     ]
-    proc = run_rlhf(overrides, run_dir=run_dir, extra_env={"OMP_NUM_THREADS": "1"})
+    proc = run_rlhf(overrides, run_dir=run_dir)
     out = proc.stdout
     for step in ("sft", "reward", "ppo"):  # each step's own report, as it ends
         assert f"rlhf: step={step} finished in" in out

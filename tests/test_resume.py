@@ -31,7 +31,6 @@ from rlhf.runtime.engine import skippable
 from rlhf.steps.loop import NonFiniteGuard, TrainingStopped
 from tests.conftest import (
     FAST,
-    ONE_THREAD,
     REPO,
     cache_overrides,
     read_metrics,
@@ -86,8 +85,7 @@ PIPELINE = [
 
 
 def _run(overrides, run_dir, cache, **kwargs) -> subprocess.CompletedProcess:
-    env = {**ONE_THREAD, **kwargs.pop("extra_env", {})}
-    return run_rlhf([*overrides, *cache_overrides(cache)], run_dir, extra_env=env, **kwargs)
+    return run_rlhf([*overrides, *cache_overrides(cache)], run_dir, **kwargs)
 
 
 def _kill_at(overrides, run_dir, cache, step: int, **kwargs) -> subprocess.CompletedProcess:
@@ -331,7 +329,7 @@ def test_resume_across_epoch_boundaries(cache_dir, tmp_path):
 def _popen(overrides, run_dir, cache, stdout, stderr, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rlhf", *overrides, *cache_overrides(cache)]
     cmd.append(f"hydra.run.dir={run_dir}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, **kwargs)
 
 
@@ -593,7 +591,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(
     proc = subprocess.run(
         [*cmd, f"hydra.run.dir={run_dir}"],
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
         capture_output=True,
         text=True,
         timeout=600,

@@ -10,7 +10,7 @@ SFT left it)."""
 
 import pytest
 
-from tests.conftest import ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,6 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
         [*REDUCED, *cache_overrides(cache_dir)],
         run_dir=tmp_path,
         timeout=1500,  # three steps: about 2 minutes on 2 quiet cores
-        extra_env=ONE_THREAD,
     )
     assert read_summary(tmp_path / "reward")["eval/accuracy"] >= 0.8  # measured: 0.90
     check_ppo_learned(tmp_path / "ppo")
@@ -57,7 +56,6 @@ def test_ppo_raises_held_out_gold_over_its_sft_start(cache_dir, tmp_path):
         ],
         run_dir=many_updates,
         timeout=1500,
-        extra_env=ONE_THREAD,
     )
     check_ppo_learned(many_updates, margin=0.2, correct_drop=0.08)
 

@@ -19,7 +19,7 @@ def test_the_embedded_models_initialisation_follows_seed():
 def _sft(seed: int, tmp_path, cache_dir) -> list[dict]:
     run_dir = tmp_path / f"seed{seed}-{len(list(tmp_path.iterdir()))}"
     overrides = ["step=sft", *FAST, "step.max_steps=3", "step.log_interval=1", f"seed={seed}"]
-    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir, extra_env={"OMP_NUM_THREADS": "1"})
+    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir)
     rows = [r for r in read_metrics(run_dir) if "train/loss" in r or "eval/loss" in r]
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 

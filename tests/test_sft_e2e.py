@@ -15,7 +15,7 @@ from rlhf.data.collate import count_targets, sft_batch
 from rlhf.data.prepare import phase_dataset
 from rlhf.modeling.loading import end_of_text_id
 from rlhf.rl.generation import Sampling, decode_responses, generate
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def default_run(cache_dir, tmp_path_factory):
     """One epoch of SFT on the embedded default (4000 rows, 125 steps of 32)."""
     run_dir = tmp_path_factory.mktemp("sft-default")
     overrides = ["step=sft", "optim.epochs=1", "logger.progress_bar=false"]
-    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf([*overrides, *cache_overrides(cache_dir)], run_dir=run_dir)
     return run_dir
 
 
@@ -133,9 +133,7 @@ def test_zero3_two_ranks_logs_once_and_exports_what_one_process_trains(cache_dir
         run_dir=zero3,
         nproc=2,
     )
-    run_rlhf(
-        [*base, "zero=stage0", "optim.micro_batch_size=16"], run_dir=zero0, extra_env=ONE_THREAD
-    )
+    run_rlhf([*base, "zero=stage0", "optim.micro_batch_size=16"], run_dir=zero0)
 
     # one run dir, one metrics file, every row once (rank 0 writes alone)
     assert list(zero3.rglob("metrics.jsonl")) == [zero3 / "metrics.jsonl"]

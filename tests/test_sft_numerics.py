@@ -4,7 +4,7 @@ the loss is normalised by the global token count, so 10 steps give the same trai
 
 import pytest
 
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, run_rlhf
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def reference(cache_dir, tmp_path_factory) -> list[float]:
     """ZeRO-0, one process, the whole global batch (16 rows) in one micro batch."""
     run_dir = tmp_path_factory.mktemp("sft-reference")
     overrides = [*COMMON, *cache_overrides(cache_dir), "zero=stage0", "optim.micro_batch_size=16"]
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     return _losses(run_dir)
 
 
@@ -58,6 +58,5 @@ def test_same_losses_as_the_reference(reference, cache_dir, tmp_path, nproc, ove
         [*COMMON, *cache_overrides(cache_dir), *overrides],
         run_dir=run_dir,
         nproc=nproc,
-        extra_env=ONE_THREAD,
     )
     assert _losses(run_dir) == pytest.approx(reference, rel=1e-4)

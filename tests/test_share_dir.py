@@ -109,10 +109,9 @@ def test_a_dpo_run_after_a_ppo_run_starts_from_the_same_sft_model(tmp_path, cach
         f"pipeline.share_dir={shared}",
         *cache_overrides(cache_dir),
     ]
-    env = {"OMP_NUM_THREADS": "1"}
-    first = run_rlhf(common, run_dir=tmp_path / "ppo", extra_env=env)
+    first = run_rlhf(common, run_dir=tmp_path / "ppo")
     assert "step=all: running sft" in first.stdout
-    second = run_rlhf([*common, "algo=dpo"], run_dir=tmp_path / "dpo", extra_env=env)
+    second = run_rlhf([*common, "algo=dpo"], run_dir=tmp_path / "dpo")
     assert "step=all: running sft" not in second.stdout
     assert "step=all: sft is complete" in second.stdout
 
@@ -133,7 +132,7 @@ def test_a_dpo_run_after_a_ppo_run_starts_from_the_same_sft_model(tmp_path, cach
     common[common.index(f"pipeline.share_dir={shared}")] = (
         f"pipeline.share_dir={tmp_path / 'moved'}"
     )
-    third = run_rlhf([*common, "algo=grpo"], run_dir=tmp_path / "grpo", extra_env=env)
+    third = run_rlhf([*common, "algo=grpo"], run_dir=tmp_path / "grpo")
     assert "step=all: running sft" not in third.stdout
     assert "step=all: running reward" not in third.stdout
     assert (tmp_path / "grpo" / "ppo" / "actor" / "config.json").is_file()

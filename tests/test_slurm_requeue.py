@@ -24,7 +24,7 @@ from tests.conftest import (
     read_summary,
     run_rlhf,
 )
-from tests.scale_out import ONE_THREAD, command, env, run, slurm_cluster
+from tests.scale_out import RUN_ENV, command, env, run, slurm_cluster
 
 __all__ = ["slurm_cluster"]  # a fixture
 
@@ -68,7 +68,7 @@ def _reference(tmp_path: Path, overrides: list[str]) -> Path:
     """The uninterrupted run, made first: it also builds DeepSpeed's CPU ops, which a stop
     request in the middle of their build (SIGTERM) would leave locked for every later run."""
     run_dir = tmp_path / "reference"
-    run_rlhf(overrides, run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir, extra_env=RUN_ENV)
     return run_dir
 
 

@@ -22,7 +22,7 @@ OFFLINE_HUB = (
 def _sweep(
     args: list[str], sweep_dir: Path, extra_env: dict[str, str]
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", **extra_env}
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", **extra_env}
     return subprocess.run(
         [sys.executable, "-m", "rlhf", *args, f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO,

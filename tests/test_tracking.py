@@ -673,7 +673,7 @@ def test_step_all_offline_leaves_the_pipeline_to_sync(tmp_path, cache_dir):
         ["step=all", "logger=wandb", "logger.mode=offline", "step.max_steps=2",
          "data.sources.toy.num_rows=320", *fast, *small, *batches, *cache_overrides(cache_dir)],
         run_dir=run_dir,
-        extra_env={"WANDB_MODE": "offline", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        extra_env={"WANDB_MODE": "offline", "HOME": str(tmp_path)},
     )  # fmt: skip
     logged = {
         step: json.loads((run_dir / step / lineage.MARKER).read_text())

@@ -169,7 +169,7 @@ def decoder_calls(tmp_path, model_dir, *overrides: str, sleep: bool = False) -> 
         f"hydra.run.dir={tmp_path / 'run'}",
         *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return events.read_text().split()

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.conftest import FAST, ONE_THREAD, cache_overrides, read_metrics, read_summary, run_rlhf
+from tests.conftest import FAST, cache_overrides, read_metrics, read_summary, run_rlhf
 from tests.test_vllm_memory import assert_released_for_every_update, decoder_calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -29,7 +29,7 @@ def sft(cache_dir, tmp_path_factory):
     # assertion on eval/reward below); seed 1234's initial weights change none of 8
     overrides = ["step=sft", *SMALL, "step.max_steps=40", "model.init_seed=0"]
     overrides += cache_overrides(cache_dir)
-    run_rlhf(overrides, run_dir=run_dir, extra_env=ONE_THREAD)
+    run_rlhf(overrides, run_dir=run_dir)
     return run_dir / "model"
 
 
@@ -57,7 +57,7 @@ def _training_rows(run_dir) -> list[dict]:
 
 
 def test_ppo_pushes_the_weights_after_every_update(sft, cache_dir, tmp_path):
-    run_rlhf(_ppo(sft, cache_dir, "step.max_steps=3"), tmp_path, extra_env=ONE_THREAD)
+    run_rlhf(_ppo(sft, cache_dir, "step.max_steps=3"), tmp_path)
     rows = _training_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
@@ -90,7 +90,6 @@ def test_critic_free_estimators_sample_on_vllm(estimator, sft, cache_dir, tmp_pa
             *estimator,
         ),
         tmp_path,
-        extra_env=ONE_THREAD,
     )
     rows = _training_rows(tmp_path)
     assert len(rows) == 2
@@ -107,7 +106,6 @@ def test_opd_samples_on_vllm_and_the_teacher_scores_on_the_trainer(sft, cache_di
     run_rlhf(
         [o for o in overrides if not o.startswith("ppo.reward.function")],
         tmp_path,
-        extra_env=ONE_THREAD,
     )
     rows = _training_rows(tmp_path)
     assert len(rows) == 2
@@ -121,16 +119,15 @@ def test_opd_samples_on_vllm_and_the_teacher_scores_on_the_trainer(sft, cache_di
 def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_dir, tmp_path):
     overrides = _ppo(sft, cache_dir, "step.max_steps=4", "step.checkpoint_interval=2")
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    run_rlhf(overrides, reference, extra_env=ONE_THREAD)
+    run_rlhf(overrides, reference)
     killed = run_rlhf(
         [*overrides, "debug.kill_at_step=3"],
         resumed,
-        extra_env=ONE_THREAD,
         check=False,
         timeout=1800,
     )
     assert killed.returncode == KILLED, killed.stderr[-3000:]
-    run_rlhf(overrides, resumed, extra_env=ONE_THREAD)  # resume=auto from step 2
+    run_rlhf(overrides, resumed)  # resume=auto from step 2
 
     def comparable(run_dir):
         return [
@@ -144,7 +141,7 @@ def test_a_run_killed_mid_ppo_resumes_to_the_uninterrupted_metrics(sft, cache_di
 
 def test_zero3_on_two_ranks_with_an_engine_a_rank(sft, cache_dir, tmp_path):
     overrides = _ppo(sft, cache_dir, "step.max_steps=2", "zero=stage3")
-    run_rlhf(overrides, tmp_path, nproc=2, extra_env=ONE_THREAD, timeout=1800)
+    run_rlhf(overrides, tmp_path, nproc=2, timeout=1800)
     rows = _training_rows(tmp_path)
     assert len(rows) == 2
     assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # both ranks' engines synced
@@ -191,7 +188,7 @@ def test_partial_rollouts_on_vllm_carry_groups_and_resume_with_them_in_flight(
         "step.checkpoint_interval=2",
     )
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    run_rlhf(overrides, reference, extra_env=ONE_THREAD, timeout=1800)
+    run_rlhf(overrides, reference, timeout=1800)
     rows = _training_rows(reference)
     assert len(rows) == 4
     assert all(r["rollout/carried_groups"] == 4 for r in rows)  # 8 in flight, 4 train
@@ -199,11 +196,9 @@ def test_partial_rollouts_on_vllm_carry_groups_and_resume_with_them_in_flight(
     gaps = [r["ppo/logprob_diff_max"] for r in rows if "ppo/logprob_diff_max" in r]
     assert gaps and max(gaps) < 1e-4  # logged where a phase trained fresh tokens
     assert all("ppo/tis_weight_mean" in r for r in rows)  # the correction of the carried tokens
-    killed = run_rlhf(
-        [*overrides, "debug.kill_at_step=3"], resumed, extra_env=ONE_THREAD, check=False
-    )
+    killed = run_rlhf([*overrides, "debug.kill_at_step=3"], resumed, check=False)
     assert killed.returncode == KILLED, killed.stderr[-3000:]
-    run_rlhf(overrides, resumed, extra_env=ONE_THREAD, timeout=1800)
+    run_rlhf(overrides, resumed, timeout=1800)
     strip = [
         [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(d)]
         for d in (reference, resumed)
@@ -226,7 +221,7 @@ def test_a_rollout_rank_decodes_on_its_own_engine_one_version_ahead(sft, cache_d
         "step.max_steps=3",
     )
     fresh = tmp_path / "fresh"
-    run_rlhf(overrides, fresh, nproc=2, extra_env=ONE_THREAD, timeout=1800)
+    run_rlhf(overrides, fresh, nproc=2, timeout=1800)
     rows = _training_rows(fresh)
     assert [r["rollout/staleness_max"] for r in rows] == [0, 0, 0]
     assert all(r["ppo/logprob_diff_max"] < 1e-4 for r in rows)  # pushed weights, fp32
@@ -236,7 +231,6 @@ def test_a_rollout_rank_decodes_on_its_own_engine_one_version_ahead(sft, cache_d
         [*overrides, "ppo.asynchronous.max_staleness=1"],
         ahead,
         nproc=2,
-        extra_env=ONE_THREAD,
         timeout=1800,
     )
     rows = _training_rows(ahead)
