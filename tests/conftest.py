@@ -52,6 +52,19 @@ FAST = [
 
 
 def pytest_collection_modifyitems(config, items):
+    _slow_files_first(items)
+    _skip_vllm_without_vllm(items)
+
+
+def _slow_files_first(items) -> None:
+    """pytest-xdist deals whole files (--dist loadfile) in collection order, so the files with
+    end-to-end (slow) tests go first, in-file order kept: the last files dealt are then short
+    ones, and one worker does not run a three-minute test while the other has nothing left."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable
+
+
+def _skip_vllm_without_vllm(items) -> None:
     """Tests marked vllm skip where vLLM is not installed, except where RLHF_REQUIRE_VLLM=1 (CI's
     vLLM environment), where a missing vLLM must fail them."""
     if importlib.util.find_spec("vllm") is not None or os.environ.get("RLHF_REQUIRE_VLLM") == "1":
