@@ -534,16 +534,23 @@ def gpu_check(tmp_path_factory):
     return check, s
 
 
-@pytest.mark.slow
-def test_gpu_check_hybrid_engine_rows(gpu_check):
+@pytest.fixture(scope="module")
+def hybrid_engine_rows(gpu_check):
+    """The hybrid-engine check's rows, once: its hybrid-off run is also the log-prob gap
+    check's recompute run, whichever test asks first."""
     check, s = gpu_check
-    off, on = check.check_hybrid_engine(s)
+    return check.check_hybrid_engine(s)
+
+
+@pytest.mark.slow
+def test_gpu_check_hybrid_engine_rows(hybrid_engine_rows):
+    off, on = hybrid_engine_rows
     assert off.ok and on.ok, (off, on)
     assert "refused (exit 2)" in on.measured and "GPUs only" in on.measured  # on CPU
 
 
 @pytest.mark.slow
-def test_gpu_check_logprob_gap_rows(gpu_check):
+def test_gpu_check_logprob_gap_rows(gpu_check, hybrid_engine_rows):
     """bf16 on CPU: the sampler's log-probs differ from the training forward's, so the first
     ratio is off 1 with them and exactly 1 with the default recompute."""
     check, s = gpu_check
