@@ -56,6 +56,7 @@ def test_the_section_is_ppo_asynchronous_and_off_by_default():
     assert dataclasses.asdict(section) == {
         "min_finished": None,
         "chunk_tokens": None,
+        "phase_tokens": None,
         "max_staleness": 0,
         "on_stale": "regenerate",
         "rollout_ranks": 0,
@@ -87,6 +88,7 @@ def test_the_default_section_resolves_nothing_new(overrides, facts):
         *overrides,
         "ppo.asynchronous.min_finished=null",
         "ppo.asynchronous.chunk_tokens=null",
+        "ppo.asynchronous.phase_tokens=null",
         "ppo.asynchronous.max_staleness=0",
         "ppo.asynchronous.on_stale=regenerate",
         "ppo.asynchronous.rollout_ranks=0",
@@ -105,6 +107,7 @@ def test_the_default_section_resolves_nothing_new(overrides, facts):
         ("ppo.asynchronous.min_finished=0", "ppo.asynchronous.min_finished=0.0", "(0, 1]"),
         ("ppo.asynchronous.min_finished=1.5", "ppo.asynchronous.min_finished=1.5", "(0, 1]"),
         ("ppo.asynchronous.chunk_tokens=0", "ppo.asynchronous.chunk_tokens=0", "integer >= 1"),
+        ("ppo.asynchronous.phase_tokens=0", "ppo.asynchronous.phase_tokens=0", "integer >= 1"),
         ("ppo.asynchronous.max_staleness=-1", "ppo.asynchronous.max_staleness=-1", ">= 0"),
         ("ppo.asynchronous.on_stale=keep", "ppo.asynchronous.on_stale='keep'", "regenerate, drop"),
         ("ppo.asynchronous.rollout_ranks=-1", "ppo.asynchronous.rollout_ranks=-1", "integer >= 0"),
@@ -117,7 +120,12 @@ def test_a_bad_value_of_the_section_is_one_line(override, key, accepted):
 
 
 @pytest.mark.parametrize(
-    "override", ["ppo.asynchronous.on_stale=drop", "ppo.asynchronous.chunk_tokens=8"]
+    "override",
+    [
+        "ppo.asynchronous.on_stale=drop",
+        "ppo.asynchronous.chunk_tokens=8",
+        "ppo.asynchronous.phase_tokens=64",
+    ],
 )
 def test_the_partial_keys_without_min_finished_are_refused(override):
     key = override.split("=")[0]
@@ -479,6 +487,7 @@ def test_help_lists_the_section():
     assert key_help.matching(keys, ["ppo.asynchronous"]) == [
         "ppo.asynchronous.min_finished",
         "ppo.asynchronous.chunk_tokens",
+        "ppo.asynchronous.phase_tokens",
         "ppo.asynchronous.max_staleness",
         "ppo.asynchronous.on_stale",
         "ppo.asynchronous.rollout_ranks",

@@ -71,7 +71,7 @@ def _sum(call: list[int]) -> int:
     return int(a) + int(b)
 
 
-def _pool(min_finished_pool: int, chunk: int, env=None) -> PartialEpisodes:
+def _pool(min_finished_pool: int, chunk: int, env=None, phase_tokens=None) -> PartialEpisodes:
     player = episodes(ByContext(), env or Calculator(), budget=BUDGET)
     prompts = [p for p, _, _ in SCRIPTS]
     settings = PartialSettings(
@@ -81,6 +81,7 @@ def _pool(min_finished_pool: int, chunk: int, env=None) -> PartialEpisodes:
         budget=BUDGET,
         max_staleness=10,
         on_stale="regenerate",
+        phase_tokens=phase_tokens,
     )
     return PartialEpisodes(player, settings, PAD, lambda count, phase: prompts[2 : 2 + count])
 
@@ -108,6 +109,19 @@ def test_one_chunk_a_turn_and_nothing_carried_plays_the_synchronous_episodes():
     assert torch.equal(partial.record.env_reward, synchronous.record.env_reward)
     assert partial.record.metrics["tool_calls"].tolist() == [1.0, 1.0]
     assert torch.equal(partial.ended, synchronous.ended)
+
+
+def test_a_phase_token_budget_trains_the_first_episode_to_end_and_carries_the_other():
+    prompts = [p for p, _, _ in SCRIPTS[:2]]
+    synchronous = _rows(
+        episodes(ByContext(), Calculator(), budget=BUDGET).generate(prompts, SAMPLING, None, 1, 1.0)
+    )
+    pool = _pool(2, 3, phase_tokens=1)  # spent at the first chunk: the phase ends at one episode
+    rollout = pool.generate(prompts, SAMPLING, None, 1, 1.0)
+    [row] = _rows(rollout)
+    assert row in synchronous  # whole, turns and observation, as the synchronous loop's
+    assert pool.carried() == 1 and not pool.pool[0].finished
+    assert pool.metrics()["rollout/trained_group_share"] == 0.5
 
 
 def test_episodes_carried_over_phases_and_versions_end_as_the_synchronous_ones():

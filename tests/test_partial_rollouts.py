@@ -67,8 +67,17 @@ class ScriptedDecoder:
         )
 
 
-def _pool(groups=2, pool=4, chunk=2, budget=16, staleness=8, on_stale="regenerate", refills=None):
-    settings = PartialSettings(groups, pool, chunk, budget, staleness, on_stale)
+def _pool(
+    groups=2,
+    pool=4,
+    chunk=2,
+    budget=16,
+    staleness=8,
+    on_stale="regenerate",
+    refills=None,
+    phase_tokens=None,
+):
+    settings = PartialSettings(groups, pool, chunk, budget, staleness, on_stale, phase_tokens)
     refills = refills if refills is not None else []
 
     def refill(count, phase):
@@ -121,6 +130,47 @@ def test_a_phase_ends_once_enough_groups_finished_and_the_long_tail_continues_un
     stats = partial.metrics()
     assert stats["rollout/staleness_max"] == 1.0
     assert stats["rollout/spanning_versions"] == pytest.approx(1 / 4)  # one of four answers
+
+
+def test_a_spent_token_budget_ends_the_phase_with_the_groups_finished_so_far():
+    partial = _pool(groups=2, pool=2, phase_tokens=4)
+    rollout = partial.generate([[BOS, 1], [BOS, 9]], SAMPLING, 0, 1, 1.0)
+    # one chunk of 2 tokens each spent the 4: the short group trains, the long one waits
+    assert _answers(rollout) == [[10, EOS]]
+    assert len(partial.decoder.calls) == 1
+    assert partial.carried() == 1 and partial.pool[0].answers[0].tokens == [10, 11]
+    # the next batch's prompts take the room left in the pool (one), the other is skipped
+    partial.set_version(1)
+    second = partial.generate([[BOS, 1], [BOS, 2]], SAMPLING, 0, 1, 1.0)
+    assert _answers(second) == [[10, EOS]]
+    assert [g.prompt for g in partial.pool] == [[BOS, 9]]  # the long one: 4 tokens so far
+    assert partial.pool[0].answers[0].versions == [0, 0, 1, 1]
+    stats = partial.metrics()
+    assert stats["rollout/trained_group_share"] == 0.5  # 2 of 4 groups in two phases
+    assert stats["rollout/budget_ended_phases"] == 1.0
+    assert stats["rollout/skipped_prompts"] == 1.0
+
+
+def test_a_spent_token_budget_waits_for_one_finished_group():
+    partial = _pool(groups=2, pool=2, phase_tokens=1)
+    rollout = partial.generate([[BOS, 7], [BOS, 3]], SAMPLING, 0, 1, 1.0)
+    # the budget was spent at the first chunk, with nothing finished: a second chunk finished
+    # the 3-token answer (and its end-of-text), and the phase ended there
+    assert _answers(rollout) == [[10, 11, 12, EOS]]
+    assert len(partial.decoder.calls) == 2 and partial.carried() == 1
+
+
+def test_a_budget_the_phase_does_not_spend_trains_the_whole_batch():
+    partial = _pool(groups=2, pool=3, phase_tokens=100)
+    rollout = partial.generate([[BOS, 1], [BOS, 2]], SAMPLING, 0, 1, 1.0)
+    assert len(_answers(rollout)) == 2
+    stats = partial.metrics()
+    assert stats["rollout/trained_group_share"] == 1.0
+    assert stats["rollout/budget_ended_phases"] == 0.0
+    # without a budget the two metrics are not logged
+    unbudgeted = _pool(groups=2, pool=3)
+    unbudgeted.generate([[BOS, 1], [BOS, 2]], SAMPLING, 0, 1, 1.0)
+    assert "rollout/trained_group_share" not in unbudgeted.metrics()
 
 
 def test_a_group_trains_only_when_every_answer_has_finished():

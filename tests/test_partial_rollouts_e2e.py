@@ -1,7 +1,8 @@
 """Partial rollouts end to end (ppo.asynchronous), from one short SFT run with a rule-based reward:
 groups carried across updates train at most max_staleness versions old, and a run killed with
 SIGKILL mid-run, episodes in flight, resumes to the uninterrupted run's rows; ZeRO-3 on two ranks
-(every rank in every decoding call) runs through phases of different lengths on each rank."""
+(every rank in every decoding call) runs through phases of different lengths on each rank, and
+with a phase token budget trains fewer groups than a batch, as many on each rank."""
 
 from __future__ import annotations
 
@@ -79,3 +80,28 @@ def test_zero3_on_two_ranks_steps_every_rank_through_every_decoding_call(sft, ca
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/carried_groups"] == 8 for r in rows)  # 4 a rank
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+
+
+def test_a_phase_token_budget_trains_what_finished_on_two_ranks_and_resumes_exactly(
+    sft, cache_dir, tmp_path
+):
+    """32 tokens a phase, where one chunk of the pool's 16 answers is up to 64: phases end
+    short, each rank trains as many groups as the rank with the fewest finished (under ZeRO-3 a
+    rank with other rows would hang the update's collectives), and the finished groups waiting
+    in the pool survive a SIGKILL."""
+    overrides = _partial(sft, "zero=stage3", "ppo.asynchronous.phase_tokens=32", "step.max_steps=4")
+    reference = tmp_path / "reference"
+    _run(overrides, reference, cache_dir, nproc=2)
+    rows = _train_rows(reference)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any(r["rollout/trained_group_share"] < 1 for r in rows)
+    assert any(r["rollout/budget_ended_phases"] > 0 for r in rows)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+
+    run_dir = tmp_path / "run"
+    # killed after checkpoint 2 with groups in flight (torchrun exits 1 for its dead rank)
+    killed = _run([*overrides, "debug.kill_at_step=3"], run_dir, cache_dir, nproc=2, check=False)
+    assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
+    assert _checkpoints(run_dir) == ["step-00000002"]
+    _run(overrides, run_dir, cache_dir, nproc=2)
+    assert _rows(run_dir) == _rows(reference)

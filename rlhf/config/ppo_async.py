@@ -9,16 +9,19 @@ from dataclasses import dataclass
 from typing import Any
 
 ON_STALE = ("regenerate", "drop")
+# the keys only partial rollouts read, and their defaults
+PARTIAL_ONLY = {"on_stale": "regenerate", "chunk_tokens": None, "phase_tokens": None}
 
 
 @dataclass
 class PPOAsyncConfig:
     """Partial rollouts: a generation batch does not wait for its slowest answer. Each rank
     keeps a pool of answer groups in flight and decodes it chunk_tokens at a time; a rollout
-    phase ends once a generation batch's worth of groups has finished, and the others carry
-    over, with their tokens, the log-prob each was sampled with and the policy version that
-    sampled it, into the next phase (rlhf.rl.partial). Apart rollouts: the last rollout_ranks
-    ranks only generate, max_staleness policy versions ahead of the ranks that train."""
+    phase ends once a generation batch's worth of groups has finished (or its token budget is
+    spent), and the others carry over, with their tokens, the log-prob each was sampled with
+    and the policy version that sampled it, into the next phase (rlhf.rl.partial). Apart
+    rollouts: the last rollout_ranks ranks only generate, max_staleness policy versions ahead
+    of the ranks that train."""
 
     # the share of the decoding pool that must finish before a phase ends: each rank decodes
     # ceil(groups / min_finished) prompt groups at once (groups: ppo.rollout.per_device_batch_size,
@@ -31,6 +34,11 @@ class PPOAsyncConfig:
     # ppo.rollout.max_new_tokens // 8), decided before the run where min_finished is set
     # (resolved.yaml records it)
     chunk_tokens: int | None = None
+    # answer tokens a rank may decode in one phase: once spent, the phase ends with the groups
+    # finished so far (at least one), every rank training as many as the rank with the fewest
+    # (the others wait in the pool), so a long tail cannot stretch a phase (Kimi k1.5's
+    # per-iteration token budget); null: a phase ends only at min_finished
+    phase_tokens: int | None = None
     # k: no token is trained on more than k policy versions after the one that sampled it (a
     # version: the iteration that generated it); 0: every token of a trained answer is of the
     # policy it trains (whatever carries over is decoded anew, or dropped, per on_stale: 1 or
@@ -74,14 +82,16 @@ class PPOAsyncConfig:
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             accepted = "null (ppo.rollout.max_new_tokens // 8) or an integer >= 1"
             out.append(("chunk_tokens", self.chunk_tokens, accepted))
+        if self.phase_tokens is not None and self.phase_tokens < 1:
+            out.append(("phase_tokens", self.phase_tokens, "null (no budget) or an integer >= 1"))
         if self.max_staleness < 0:
             out.append(("max_staleness", self.max_staleness, "an integer >= 0"))
         if self.on_stale not in ON_STALE:
             out.append(("on_stale", self.on_stale, f"one of {', '.join(ON_STALE)}"))
         if self.rollout_ranks < 0:
             out.append(("rollout_ranks", self.rollout_ranks, "an integer >= 0"))
-        # max_staleness applies to partial or apart rollouts; chunk_tokens, on_stale to partial
-        unread = {} if self.enabled else {"on_stale": "regenerate", "chunk_tokens": None}
+        # max_staleness applies to partial or apart rollouts; the others to partial ones
+        unread = {} if self.enabled else dict(PARTIAL_ONLY)
         if not self.off_policy:
             unread = {"max_staleness": 0, **unread}
         for key, default in unread.items():

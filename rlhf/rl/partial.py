@@ -2,7 +2,9 @@
 
 Each rank keeps a pool of answer groups in flight, ceil(groups / min_finished) of them, and decodes
 its live answers ``chunk_tokens`` at a time through the run's own decoder (hf or vLLM: per-row
-bounds are all it needs). A phase ends once ``groups`` groups have finished; those train (carried
+bounds are all it needs). A phase ends once ``groups`` groups have finished, or once it has
+decoded ``phase_tokens`` answer tokens with one finished (then every rank trains as many as the
+rank with the fewest finished: the update's rows are the same on each); those train (carried
 ones first), the others keep their tokens, the log-prob each token was sampled with (the
 behaviour policy) and the policy version that sampled it, and continue first in the next phase
 under the newer weights. Before a phase, a carried group whose oldest token would be more than
@@ -140,6 +142,10 @@ class Staleness:
     regenerated: float = 0.0
     chunks: float = 0.0  # decoding calls
     phases: float = 0.0
+    trained_groups: float = 0.0
+    batch_groups: float = 0.0  # a generation batch's groups, each phase
+    budget_phases: float = 0.0  # phases the token budget ended short of a batch
+    skipped_prompts: float = 0.0  # a batch's prompts the pool had no room for
 
     def add_trained(self, versions: torch.Tensor, version: int) -> None:
         """versions: (B, R) of the trained rows (-1 on padding); trained at ``version``."""
@@ -152,10 +158,12 @@ class Staleness:
             self.answers += 1
             self.spanning += float(row[keep].unique().numel() > 1)
 
-    def metrics(self, carried: int) -> dict[str, float]:
+    def metrics(self, carried: int, budgeted: bool = False) -> dict[str, float]:
         """Collective (every rank calls it): ``rollout/staleness_mean`` and ``_max`` per trained
         token, the share of trained answers spanning versions, episodes dropped and regenerated,
-        decoding calls a phase, groups carried over (all ranks); then starts over."""
+        decoding calls a phase, groups carried over (all ranks); ``budgeted`` (a phase token
+        budget): the share of a generation batch's groups trained, of the phases the budget
+        ended, and the batch's prompts skipped for want of room in the pool. Then starts over."""
         sums = all_reduce_sum(
             self.tokens,
             self.stale_sum,
@@ -166,8 +174,13 @@ class Staleness:
             self.chunks,
             self.phases,
             float(carried),
+            self.trained_groups,
+            self.batch_groups,
+            self.budget_phases,
+            self.skipped_prompts,
         )
-        tokens, stale, answers, spanning, dropped, regenerated, chunks, phases, carried_ = sums
+        tokens, stale, answers, spanning, dropped, regenerated, chunks, phases, carried_ = sums[:9]
+        trained, batch, budget_ended, skipped = sums[9:]
         out = {
             "rollout/staleness_mean": stale / max(tokens, 1.0),
             "rollout/staleness_max": max_over_ranks(self.stale_max),
@@ -177,6 +190,10 @@ class Staleness:
             "rollout/chunks_per_phase": chunks / max(phases, 1.0),
             "rollout/carried_groups": carried_,
         }
+        if budgeted:
+            out["rollout/trained_group_share"] = trained / max(batch, 1.0)
+            out["rollout/budget_ended_phases"] = budget_ended / max(phases, 1.0)
+            out["rollout/skipped_prompts"] = skipped
         self.__init__()
         return out
 
@@ -193,6 +210,7 @@ class PartialSettings:
     budget: int
     max_staleness: int
     on_stale: str  # "regenerate" | "drop"
+    phase_tokens: int | None = None  # a phase's answer tokens, after which it ends short
 
 
 class PartialRollouts:
@@ -235,7 +253,11 @@ class PartialRollouts:
         if logprobs_temperature is None or max_new is not None:
             raise ValueError("partial rollouts keep the sampler's log-probs, one budget an answer")
         self._age_pool(group_size)
-        self.pool += [self._new_group(p, group_size) for p in prompts]
+        # a phase the token budget ended short left more groups than a batch in the pool: the
+        # batch's prompts take the room there is, the others are skipped (the pool stays its size)
+        room = max(0, self.settings.pool - len(self.pool))
+        self.stats.skipped_prompts += max(0, len(prompts) - room)
+        self.pool += [self._new_group(p, group_size) for p in list(prompts)[:room]]
         missing = self.settings.pool - len(self.pool)
         if missing > 0:
             refill = self.refill(missing, self.phase)
@@ -247,11 +269,25 @@ class PartialRollouts:
             chunk_seed = None if seed is None else self._chunk_seed(seed, chunk)
             self._decode_chunk(sampling, chunk_seed, logprobs_temperature)
             chunk += 1
-        trained = [g for g in self.pool if g.finished][: self.settings.groups]
+        trained = self._take_finished()
         self.pool = [g for g in self.pool if all(g is not t for t in trained)]
         self.last_versions = token_versions(trained)
         self.stats.add_trained(self.last_versions, self.version)
         return self._trained(trained, sampling)
+
+    def _take_finished(self) -> list[Group]:
+        """The finished groups this phase trains, carried ones first: a generation batch's,
+        or where the token budget ended the phase short, as many as the rank with the fewest
+        finished has (every rank's update takes the same rows); the others wait in the pool."""
+        groups = self.settings.groups
+        finished = [g for g in self.pool if g.finished]
+        count = min(len(finished), groups)
+        if self.settings.phase_tokens is not None:
+            count = int(-max_over_ranks(-float(count)))
+            self.stats.budget_phases += count < groups
+        self.stats.trained_groups += count
+        self.stats.batch_groups += groups
+        return finished[:count]
 
     # -- what an episode pool (rlhf.rl.partial_episodes) does otherwise
     pickled = False  # its checkpoint holds plain lists (else whole episodes, pickled)
@@ -267,9 +303,13 @@ class PartialRollouts:
         return trained_rollout(groups, self.pad_id, sampling.prompt_width)
 
     def _needs_more(self) -> bool:
-        """Whether another chunk is decoded: fewer than ``groups`` groups have finished here
-        (synced: on some rank, for every rank steps through each decoding call together)."""
-        short = sum(g.finished for g in self.pool) < self.settings.groups
+        """Whether another chunk is decoded: fewer than ``groups`` groups have finished here,
+        unless the phase's token budget is spent with one to train (synced: on some rank, for
+        every rank steps through each decoding call together)."""
+        finished = sum(g.finished for g in self.pool)
+        budget = self.settings.phase_tokens
+        spent = budget is not None and self.generated >= budget and finished >= 1
+        short = finished < self.settings.groups and not spent
         return max_over_ranks(float(short)) > 0 if self.synced else short
 
     def _age_pool(self, group_size: int) -> None:
@@ -331,7 +371,7 @@ class PartialRollouts:
 
     def metrics(self) -> dict[str, float]:
         """Collective: see :meth:`Staleness.metrics`."""
-        return self.stats.metrics(self.carried())
+        return self.stats.metrics(self.carried(), self.settings.phase_tokens is not None)
 
     def state_dict(self) -> dict:
         """The groups in flight, with every token, log-prob and version (a checkpoint's)."""

@@ -25,6 +25,7 @@ from rlhf.data.prepare import TASK
 from rlhf.evaluators.rollout_scores import PPOEvaluator
 from rlhf.rl.ema import EMA
 from rlhf.rl.episodes import EpisodeRollouts, episode_environment
+from rlhf.rl.experience import Experience
 from rlhf.rl.experience_batch import (
     concat,
     correction_metrics,
@@ -179,6 +180,15 @@ class PPOTrainer:
         self.train_speed = Throughput()
 
 
+def trained_prompts(setup: PPOTrainer, rollout: Experience) -> int:
+    """The prompts every rank's update trained on this iteration: a global batch, or fewer
+    where a phase's token budget ended it short (ppo.asynchronous.phase_tokens: every rank
+    trains as many rows)."""
+    if setup.partial is None or setup.partial.settings.phase_tokens is None:
+        return setup.plan.global_batch_size
+    return len(rollout.scores) // setup.cfg.ppo.rollout.samples_per_prompt * world_size()
+
+
 def iteration(setup: PPOTrainer) -> dict[str, float]:
     """One PPO iteration: each generation batch of this rank's prompts answered and scored
     (DAPO's dynamic sampling refilling groups of equal rewards), the advantages whitened where
@@ -222,9 +232,9 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         update_stats = ppo_update(
             setup.models, rollout, cfg, state, setup.ptx, setup.run.guard, setup.kl.value
         )
+    prompts = trained_prompts(setup, rollout)
     # samples: the answers the update trains on (a group method's n per prompt)
-    answers = setup.plan.global_batch_size * ppo.rollout.samples_per_prompt
-    setup.train_speed.stop(update_stats.pop("tokens"), answers)
+    setup.train_speed.stop(update_stats.pop("tokens"), prompts * ppo.rollout.samples_per_prompt)
     if ppo.update.on_policy_shortcut:  # the update's forward gave the old log-probs: now the KL
         rollout = with_update_kl(rollout, ppo.kl.estimator)
     rollout_stats = rollout_metrics([rollout])
@@ -234,11 +244,11 @@ def iteration(setup: PPOTrainer) -> dict[str, float]:
         sync_weights(setup.rollouts)  # vLLM: the updated actor's weights (the engine woken)
         if setup.remote is not None:  # the rollout ranks': version global_step + 1
             setup.remote.push(setup.models.actor, state.global_step + 1)
-    setup.kl.update(rollout_stats["ppo/kl"], setup.plan.global_batch_size)
+    setup.kl.update(rollout_stats["ppo/kl"], prompts)
     # tokens_seen: the answer tokens every rank generated to train on, the run's whole (a
     # checkpoint keeps it), so methods compare at equal generation cost
     generated = all_reduce_sum(float(setup.collect.speed.tokens - tokens_before))[0]
-    state.advance(setup.plan.steps_per_epoch, setup.plan.global_batch_size, int(generated))
+    state.advance(setup.plan.steps_per_epoch, prompts, int(generated))
     seconds = time.perf_counter() - started
     split = phase_split(clock.take(), seconds)
     clock.add("other", split["perf/other_s"])

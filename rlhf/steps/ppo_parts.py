@@ -198,15 +198,20 @@ def partial_rollouts(cfg: Config, rollouts, pad_id: int, prompts) -> PartialRoll
             budget=budget,
             max_staleness=settings.max_staleness,
             on_stale=settings.on_stale,
+            phase_tokens=settings.phase_tokens,
         ),
         pad_id,
         refill,
     )
+    budget_note = ""
+    if settings.phase_tokens is not None:
+        budget_note = f" or after {settings.phase_tokens} answer tokens with one finished"
     log.info(
         "partial rollouts (ppo.asynchronous): %d groups in flight a rank, a phase ends when %d "
-        "have finished, %d tokens a chunk, tokens at most %d versions old (else %s)",
+        "have finished%s, %d tokens a chunk, tokens at most %d versions old (else %s)",
         partial.settings.pool,
         groups,
+        budget_note,
         partial.settings.chunk_tokens,
         settings.max_staleness,
         settings.on_stale,
