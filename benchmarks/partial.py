@@ -48,6 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # long answer is decoded anew (docs/ppo.md, item 10)
     p.add_argument("--max-staleness", type=int, default=5)
     p.add_argument(
+        "--phase-tokens",
+        type=int,
+        help="partial: a phase's answer-token budget a rank (ppo.asynchronous.phase_tokens)",
+    )
+    p.add_argument(
         "--against", default="partial", choices=AGAINST, help="what sync is timed against"
     )
     p.add_argument("--apart-staleness", type=int, default=1, help="apart: versions ahead")
@@ -93,6 +98,8 @@ def ppo_overrides(args, sft: Path, mode: str, seed: int) -> list[str]:
             f"ppo.asynchronous.chunk_tokens={args.chunk_tokens}",
             f"ppo.asynchronous.max_staleness={args.max_staleness}",
         ]
+        if args.phase_tokens is not None:
+            out.append(f"ppo.asynchronous.phase_tokens={args.phase_tokens}")
     if mode == "apart":  # one rank decodes: the trainers take the whole global batch
         trainers = args.ranks - 1
         prompts, rows = 8 * args.ranks // trainers, 32 * args.ranks // trainers
@@ -125,6 +132,10 @@ def read_rows(run_dir: Path) -> dict[str, float]:
         "staleness_mean": mean("rollout/staleness_mean"),
         "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in train), default=0.0),
         "regenerated": sum(r.get("rollout/regenerated_episodes", 0.0) for r in train),
+        # a phase token budget trains fewer groups than a batch (1.0 without one)
+        "trained_share": statistics.median(
+            r.get("rollout/trained_group_share", 1.0) for r in steady
+        ),
     }
 
 
@@ -159,6 +170,10 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
     by round."""
     sync, partial = runs["sync"], runs[args.against]
     ratios = [p["s_per_iter"] / s["s_per_iter"] for s, p in zip(sync, partial, strict=True)]
+    per_prompt = [
+        (p["s_per_iter"] / p["trained_share"]) / (s["s_per_iter"] / s["trained_share"])
+        for s, p in zip(sync, partial, strict=True)
+    ]
     gaps = [p["gold_accuracy"] - s["gold_accuracy"] for s, p in zip(sync, partial, strict=True)]
     return {
         "workload": {
@@ -169,12 +184,15 @@ def summarise(args, runs: dict[str, list[dict]]) -> dict:
             "against": args.against,
             "partial": f"min_finished {args.min_finished}, chunk {args.chunk_tokens} tokens, "
             f"max_staleness {args.max_staleness}"
+            + (f", {args.phase_tokens} tokens a phase" if args.phase_tokens else "")
             if args.against == "partial"
             else f"1 rollout rank, {args.apart_staleness} version(s) ahead",
         },
         "runs": runs,
         "s_per_iter_ratio": statistics.median(ratios),
         "s_per_iter_ratios": ratios,
+        # seconds a trained prompt: s/iter over the share of a batch an iteration trained
+        "s_per_trained_prompt_ratio": statistics.median(per_prompt),
         "gold_accuracy_gap": statistics.mean(gaps),
         "gold_accuracy_gaps": gaps,
     }
@@ -187,7 +205,7 @@ def format_report(report: dict) -> str:
         f"{w['iterations']} iterations x {w['rounds']} rounds; {w.get('against', 'partial')}: "
         f"{w['partial']}",
         f"{'mode':<8} {'s/iter':>7} {'range':>13} {'generate s':>10} {'gold acc':>9} "
-        f"{'answer tok':>10} {'stale mean':>10} {'max':>4}",
+        f"{'answer tok':>10} {'stale mean':>10} {'max':>4} {'trained':>7}",
     ]
     for mode, rounds in report["runs"].items():
         seconds = [r["s_per_iter"] for r in rounds]
@@ -198,7 +216,8 @@ def format_report(report: dict) -> str:
             f"{statistics.mean(r['gold_accuracy'] for r in rounds):>9.3f} "
             f"{statistics.mean(r['response_length'] for r in rounds):>10.1f} "
             f"{statistics.mean(r['staleness_mean'] for r in rounds):>10.2f} "
-            f"{max(r['staleness_max'] for r in rounds):>4.0f}"
+            f"{max(r['staleness_max'] for r in rounds):>4.0f} "
+            f"{statistics.median(r.get('trained_share', 1.0) for r in rounds):>7.2f}"
         )
     ratios = ", ".join(f"{r:.2f}" for r in report["s_per_iter_ratios"])
     gaps = ", ".join(f"{g:+.3f}" for g in report["gold_accuracy_gaps"])
@@ -207,4 +226,9 @@ def format_report(report: dict) -> str:
         f"{other} / sync seconds an iteration: {report['s_per_iter_ratio']:.2f} (rounds {ratios}); "
         f"held-out gold accuracy {other} - sync: {report['gold_accuracy_gap']:+.3f} (rounds {gaps})"
     )
+    if "s_per_trained_prompt_ratio" in report:
+        lines.append(
+            f"{other} / sync seconds a trained prompt (s/iter over the share of a batch trained): "
+            f"{report['s_per_trained_prompt_ratio']:.2f}"
+        )
     return "\n".join(lines)

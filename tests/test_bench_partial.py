@@ -51,13 +51,26 @@ def test_apart_runs_one_rollout_rank_and_trainers_of_the_same_global_batch(tmp_p
     assert cfg.ppo.asynchronous.apart and cfg.ppo.asynchronous.max_staleness == 1
 
 
-def _write_run(run_dir: Path, seconds: list[float], accuracy: float, stale=None) -> None:
+def test_a_phase_budget_is_a_partial_key_only(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1280}))
+    args = _args("--phase-tokens", "256")
+    sync = partial.ppo_overrides(args, tmp_path, "sync", 7)
+    carried = partial.ppo_overrides(args, tmp_path, "partial", 7)
+    assert "ppo.asynchronous.phase_tokens=256" in set(carried) - set(sync)
+    assert validated(compose(carried)).ppo.asynchronous.phase_tokens == 256
+
+
+def _write_run(
+    run_dir: Path, seconds: list[float], accuracy: float, stale=None, trained=None
+) -> None:
     rows = [{"step": 0, "eval/gold_accuracy": 0.1}]
     for step, s in enumerate(seconds, start=1):
         row = {"step": step, "ppo/actor_loss": 0.0, "perf/s_per_iter": s, "perf/generate_s": s / 2}
         row |= {"ppo/reward": 0.5, "ppo/response_length": 10.0}
         if stale is not None:
             row |= {"rollout/staleness_mean": stale, "rollout/staleness_max": 2.0}
+        if trained is not None:
+            row |= {"rollout/trained_group_share": trained}
         rows.append(row)
     rows.append({"step": len(seconds), "eval/gold_accuracy": accuracy})
     run_dir.mkdir(parents=True)
@@ -84,3 +97,16 @@ def test_the_report_pairs_the_modes_round_by_round(tmp_path):
     assert abs(report["gold_accuracy_gap"] - -0.02) < 1e-9
     text = partial.format_report(report)
     assert "partial / sync seconds an iteration: 0.50" in text and "-0.020" in text
+
+
+def test_a_budget_that_trains_half_a_batch_is_charged_per_trained_prompt(tmp_path):
+    """Half the seconds an iteration for half the prompts trained is no saving a prompt."""
+    _write_run(tmp_path / "sync0", [2.0] * 4, 0.5)
+    _write_run(tmp_path / "partial0", [1.0] * 4, 0.5, trained=0.5)
+    runs = {m: [partial.read_rows(tmp_path / f"{m}0")] for m in ("sync", "partial")}
+    report = partial.summarise(_args("--rounds", "1", "--phase-tokens", "64"), runs)
+    assert report["s_per_iter_ratio"] == 0.5 and report["s_per_trained_prompt_ratio"] == 1.0
+    assert "64 tokens a phase" in report["workload"]["partial"]
+    assert "seconds a trained prompt (s/iter over the share of a batch trained): 1.00" in (
+        partial.format_report(report)
+    )
