@@ -250,7 +250,7 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path, cache_dir):
         nproc=2,
         check=False,
         timeout=600,
-        extra_env={**NO_TRACE},
+        extra_env=NO_TRACE,
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
