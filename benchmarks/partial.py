@@ -217,7 +217,7 @@ def format_report(report: dict) -> str:
             f"{statistics.mean(r['response_length'] for r in rounds):>10.1f} "
             f"{statistics.mean(r['staleness_mean'] for r in rounds):>10.2f} "
             f"{max(r['staleness_max'] for r in rounds):>4.0f} "
-            f"{statistics.median(r.get('trained_share', 1.0) for r in rounds):>7.2f}"
+            f"{statistics.median(r['trained_share'] for r in rounds):>7.2f}"
         )
     ratios = ", ".join(f"{r:.2f}" for r in report["s_per_iter_ratios"])
     gaps = ", ".join(f"{g:+.3f}" for g in report["gold_accuracy_gaps"])
@@ -226,9 +226,8 @@ def format_report(report: dict) -> str:
         f"{other} / sync seconds an iteration: {report['s_per_iter_ratio']:.2f} (rounds {ratios}); "
         f"held-out gold accuracy {other} - sync: {report['gold_accuracy_gap']:+.3f} (rounds {gaps})"
     )
-    if "s_per_trained_prompt_ratio" in report:
-        lines.append(
-            f"{other} / sync seconds a trained prompt (s/iter over the share of a batch trained): "
-            f"{report['s_per_trained_prompt_ratio']:.2f}"
-        )
+    lines.append(
+        f"{other} / sync seconds a trained prompt (s/iter over the share of a batch trained): "
+        f"{report['s_per_trained_prompt_ratio']:.2f}"
+    )
     return "\n".join(lines)
